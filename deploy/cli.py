@@ -1,0 +1,57 @@
+"""``prefix-router``: the command line. Flags and defaults come from config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Sequence[str] = ()) -> None:
+    """One ``--prefix-name`` flag per scalar field of dataclass ``cls``, with its default."""
+    group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
+    for field in dataclasses.fields(cls):
+        if field.name in skip or field.default is dataclasses.MISSING:
+            continue
+        kind = type(field.default)
+        if kind not in (int, float, str, bool):
+            continue
+        flag = f"--{prefix}{field.name.replace('_', '-')}"
+        if kind is bool:
+            group.add_argument(flag, dest=f"{prefix}{field.name}", action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            group.add_argument(flag, dest=f"{prefix}{field.name}".replace("-", "_"), type=kind, default=field.default, metavar=kind.__name__.upper(), help=f"default: {field.default}")
+
+
+def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of ``cls`` whose flags differ from their defaults."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        dest = f"{prefix}{field.name}".replace("-", "_")
+        if hasattr(args, dest) and getattr(args, dest) != field.default:
+            values[field.name] = getattr(args, dest)
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from loadtest.replay_cli import add_replay_parser
+
+    parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_replay_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"prefix-router {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Figures of a run as rows of one shape (DESIGN.md section 7), and their tables.
+
+Every report, offline or live, is a list of rows with the same keys, so any two
+runs can be compared. A figure that a run cannot know is ``None``, never made up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.replay import ReplayResult
+
+Row = dict[str, Any]
+
+#: The row's keys, in table order (more may follow; these are never renamed).
+ROW_KEYS = (
+    "label", "policy", "workload", "replicas", "capacity_blocks", "requests", "failures",
+    "prompt_tokens", "cached_tokens", "token_hit_rate", "block_hit_rate", "evictions",
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "throughput_rps", "imbalance",
+    "prediction_accuracy",
+)  # fmt: skip
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def replay_row(result: ReplayResult, label: str | None = None) -> Row:
+    """The figures of one replay; engine statistics for hits, records for latency."""
+    records = result.records
+    done = [r for r in records if r.finish_s is not None]
+    ttfts = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    e2e = [r.finish_s - r.arrival_s for r in done if r.finish_s is not None]
+    stats = [engine.cache_stats for engine in result.engines]
+    query_tokens = sum(s.query_tokens for s in stats)
+    hit_tokens = sum(s.hit_tokens for s in stats)
+    query_blocks = sum(s.query_blocks for s in stats)
+    dispatched = np.array(result.dispatched or [0])
+    shared = [r for r in done if r.shared_prefix_tokens]
+    block_size = result.config.block_size
+    return {
+        "label": label or result.policy,
+        "policy": result.policy,
+        "workload": result.workload,
+        "replicas": result.config.replicas,
+        "capacity_blocks": result.config.capacity_blocks,
+        "requests": len(records),
+        "failures": sum(r.error is not None for r in records),
+        "prompt_tokens": query_tokens,
+        "cached_tokens": hit_tokens,
+        "token_hit_rate": hit_tokens / query_tokens if query_tokens else None,
+        "block_hit_rate": sum(s.hit_blocks for s in stats) / query_blocks if query_blocks else None,
+        "evictions": sum(s.evictions for s in stats),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p90_s": _percentile(ttfts, 90),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "e2e_p50_s": _percentile(e2e, 50),
+        "throughput_rps": len(done) / result.duration_s if result.duration_s else None,
+        "imbalance": float(dispatched.max() / dispatched.mean()) if dispatched.sum() else None,
+        "prediction_accuracy": None,
+        "prefill_tokens_computed": sum(int(e.prefill_tokens_computed) for e in result.engines),
+        "prefill_tokens_saved": hit_tokens,
+        "preemptions": sum(e.scheduler.num_preemptions for e in result.engines),
+        "shared_prefix_evictions": result.shared_prefix_evictions,
+        "shared_prefix_hit_rate": (
+            sum(r.cached_tokens >= r.shared_prefix_tokens // block_size * block_size for r in shared)
+            / len(shared)
+            if shared
+            else None
+        ),
+        "duration_s": result.duration_s,
+    }
+
+
+def _cell(value: Any, key: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if key.endswith("_rate") or key in ("prediction_accuracy",):
+            return f"{value:.1%}"
+        if key.endswith("_s"):
+            return f"{value * 1000:.0f}ms" if value < 10 else f"{value:.1f}s"
+        return f"{value:.2f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[Row], keys: Sequence[str]) -> str:
+    """A plain-text table (also valid Markdown) of ``keys`` for every row."""
+    cells = [[_cell(row.get(k), k) for k in keys] for row in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = lambda values: "| " + " | ".join(v.rjust(w) for v, w in zip(values, widths, strict=True)) + " |"  # noqa: E731
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(list(keys)), rule, *(line(c) for c in cells)])
+
+
+def write_json(path: str | Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"rows": list(rows), "meta": meta}, indent=2) + "\n")
+
+
+def command_line() -> str:
+    return " ".join(["prefix-router", *sys.argv[1:]])

@@ -1,0 +1,256 @@
+"""Seeded request generators shared by the offline replayer and the Locust users.
+
+A workload is a list of sessions. A session is a list of turns played in order: the
+next turn is sent ``think_time_s`` after the previous one completes, and each turn's
+prompt resends the whole conversation so far. How sessions start is the workload's
+``arrival`` mode: ``poisson`` (open loop: sessions start at the given times),
+``closed`` (``num_users`` users each play one session after another) or ``trace``
+(every request at its recorded timestamp, no waiting on completions).
+
+The same name, parameters and seed always give the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message
+
+ArrivalMode = Literal["poisson", "closed", "trace"]
+ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")
+
+
+@dataclass(frozen=True, eq=False)
+class Turn:
+    """One request. ``messages`` is set for chat workloads, ``None`` for token traces."""
+
+    build_prompt: Callable[[], np.ndarray] = field(repr=False)
+    max_tokens: int
+    think_time_s: float = 0.0
+    messages: tuple[Message, ...] | None = field(default=None, repr=False)
+    timestamp_s: float | None = None
+
+    @cached_property
+    def prompt_token_ids(self) -> np.ndarray:
+        return self.build_prompt()
+
+    def forget_prompt(self) -> None:
+        """Drop the materialised prompt (traces are too large to keep all of them)."""
+        self.__dict__.pop("prompt_token_ids", None)
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    start_time_s: float
+    turns: tuple[Turn, ...]
+    app: int = 0
+    #: Token ranges ``[0, n)`` of the prompt shared across sessions (the system prompt).
+    shared_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    sessions: tuple[Session, ...]
+    arrival: ArrivalMode = "poisson"
+    num_users: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+# ----------------------------------------------------------------------- chat
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """A chat service: applications with long system prompts, multi-turn sessions.
+
+    Defaults follow the seed chapter's picture of a chat endpoint (a 1,500-token
+    system prompt, short user questions, every turn resending the history) at a
+    scale one replica of ``capacity_blocks`` 2048 cannot hold all at once.
+    """
+
+    #: Applications, each with its own system prompt: a fleet serves several products.
+    num_apps: int = 4
+    #: Zipf exponent of application popularity: a few apps take most traffic.
+    app_skew: float = 1.0
+    #: The seed chapter's system prompt length.
+    system_prompt_tokens: int = 1500
+    #: Few-shot examples after the system prompt, shared by an app's sessions.
+    fewshot_tokens: int = 0
+    #: Chance a session opens with a retrieved document (RAG), unique to the session.
+    document_probability: float = 0.0
+    document_tokens: int = 1000
+    #: Sessions in the run and their mean length in turns (geometric, like real chats
+    #: where most sessions are short and a few run long).
+    num_sessions: int = 400
+    mean_turns: float = 4.0
+    max_turns: int = 12
+    #: Mean user question and reply lengths (lognormal; sigma 0.5).
+    user_tokens: int = 60
+    reply_tokens: int = 250
+    #: Mean pause between a reply and the next question (exponential).
+    think_time_s: float = 8.0
+    arrival: ArrivalMode = "poisson"
+    #: Sessions started per second (poisson arrival).
+    session_rate: float = 2.0
+    #: Concurrent users (closed arrival).
+    num_users: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_apps < 1 or self.num_sessions < 1:
+            raise ValueError("num_apps and num_sessions must be positive")
+        if self.arrival not in ("poisson", "closed"):
+            raise ValueError(f"chat arrival must be poisson or closed, got {self.arrival!r}")
+        if not 0 <= self.document_probability <= 1:
+            raise ValueError("document_probability must lie in [0, 1]")
+        if self.mean_turns < 1 or self.max_turns < 1:
+            raise ValueError("mean_turns and max_turns must be at least 1")
+        if self.session_rate <= 0 or self.think_time_s < 0:
+            raise ValueError("session_rate must be positive and think_time_s not negative")
+
+
+_WORDS = tuple(f"{a}{v}{b} " for a in "bdfgklmnprstvz" for v in "aeiou" for b in "lmnrst")
+
+
+def _text(rng: np.random.Generator, num_tokens: int) -> str:
+    """Random words of exactly ``num_tokens`` 4-byte tokens."""
+    return "".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), max(num_tokens, 1)))
+
+
+def _lognormal(rng: np.random.Generator, mean: int) -> int:
+    return max(1, int(rng.lognormal(np.log(mean) - 0.125, 0.5)))
+
+
+def chat_workload(config: ChatConfig | None = None) -> Workload:
+    config = config or ChatConfig()
+    rng = np.random.default_rng(config.seed)
+    apps = [_app_prefix(rng, config, app) for app in range(config.num_apps)]
+    popularity = 1.0 / np.arange(1, config.num_apps + 1) ** config.app_skew
+    app_of_session = rng.choice(config.num_apps, config.num_sessions, p=popularity / popularity.sum())
+    gaps = rng.exponential(1.0 / config.session_rate, config.num_sessions)
+    starts = np.cumsum(gaps) - gaps[0]
+    tokenizer = ByteTokenizer()
+    sessions = tuple(
+        _chat_session(rng, config, tokenizer, index, int(app), apps[app], float(start))
+        for index, (app, start) in enumerate(zip(app_of_session, starts, strict=True))
+    )
+    return Workload("chat", sessions, config.arrival, config.num_users)
+
+
+def _app_prefix(rng: np.random.Generator, config: ChatConfig, app: int) -> tuple[Message, ...]:
+    messages: tuple[Message, ...] = (
+        {"role": "system", "content": f"App {app}. " + _text(rng, config.system_prompt_tokens - 2)},
+    )
+    if config.fewshot_tokens:
+        half = config.fewshot_tokens // 2
+        messages += (
+            {"role": "user", "content": _text(rng, half)},
+            {"role": "assistant", "content": _text(rng, half)},
+        )
+    return messages
+
+
+def _chat_session(
+    rng: np.random.Generator,
+    config: ChatConfig,
+    tokenizer: ByteTokenizer,
+    index: int,
+    app: int,
+    prefix: tuple[Message, ...],
+    start: float,
+) -> Session:
+    num_turns = min(int(rng.geometric(1.0 / config.mean_turns)), config.max_turns)
+    history = prefix
+    shared = len(tokenizer.apply_chat_template(prefix, add_generation_prompt=False))
+    opening = ""
+    if rng.random() < config.document_probability:
+        opening = "Document: " + _text(rng, config.document_tokens) + "\n"
+    turns = []
+    for turn in range(num_turns):
+        question = {"role": "user", "content": opening + _text(rng, _lognormal(rng, config.user_tokens))}
+        opening = ""
+        messages = (*history, question)
+        reply_len = _lognormal(rng, config.reply_tokens)
+        think = float(rng.exponential(config.think_time_s)) if turn else 0.0
+        turns.append(Turn(_chat_prompt(tokenizer, messages), reply_len, think, messages))
+        history = (*messages, {"role": "assistant", "content": _text(rng, reply_len)})
+    return Session(f"chat-{index}", start, tuple(turns), app, shared)
+
+
+def _chat_prompt(tokenizer: ByteTokenizer, messages: tuple[Message, ...]) -> Callable[[], np.ndarray]:
+    return lambda: tokenizer.apply_chat_template(messages)
+
+
+# ---------------------------------------------------------------------- traces
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake's hash ids each stand for 512 tokens
+
+
+def trace_block_tokens(hash_id: int, num_tokens: int = TRACE_BLOCK_TOKENS) -> np.ndarray:
+    """The deterministic token ids of one trace hash id (a SplitMix64 stream)."""
+    x = np.arange(num_tokens, dtype=np.uint64) + np.uint64(hash_id) * np.uint64(TRACE_BLOCK_TOKENS)
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+    return (x & np.uint64(0xFFFFFFFF)).astype(TOKEN_DTYPE)
+
+
+def trace_prompt(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
+    blocks = [trace_block_tokens(h) for h in hash_ids]
+    tokens = np.concatenate(blocks) if blocks else np.empty(0, TOKEN_DTYPE)
+    if len(tokens) < input_length:  # a trace may claim more tokens than its ids cover
+        tokens = np.concatenate((tokens, trace_block_tokens(-1 - len(tokens), input_length - len(tokens))))
+    return tokens[:input_length]
+
+
+def trace_workload(path: str | Path, limit: int | None = None, time_scale: float = 1.0) -> Workload:
+    """A Mooncake-format JSONL trace: one request per line, at its timestamp (ms)."""
+    sessions = []
+    with open(path, encoding="utf-8") as lines:
+        for index, line in enumerate(lines):
+            if limit is not None and index >= limit:
+                break
+            record = json.loads(line)
+            hash_ids, length = tuple(record["hash_ids"]), int(record["input_length"])
+            start = float(record["timestamp"]) / 1000.0 * time_scale
+            turn = Turn(
+                lambda h=hash_ids, n=length: trace_prompt(h, n),
+                max(1, int(record["output_length"])),
+                timestamp_s=start,
+            )
+            sessions.append(Session(f"trace-{index}", start, (turn,), 0, TRACE_BLOCK_TOKENS))
+    return Workload(f"trace:{path}", tuple(sessions), "trace")
+
+
+# --------------------------------------------------------------------- by name
+
+
+def load_workload(spec: str, overrides: dict[str, Any] | None = None) -> Workload:
+    """``chat`` (with ChatConfig overrides) or ``trace:PATH`` (with ``limit``)."""
+    overrides = dict(overrides or {})
+    if spec == "chat":
+        known = {f.name for f in fields(ChatConfig)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown chat parameters {sorted(unknown)}; known: {sorted(known)}")
+        return chat_workload(replace(ChatConfig(), **overrides))
+    if spec.startswith("trace:"):
+        path = spec.removeprefix("trace:")
+        if not Path(path).is_file():
+            raise ValueError(f"trace file {path!r} not found")
+        return trace_workload(path, overrides.get("limit"), overrides.get("time_scale", 1.0))
+    raise ValueError(f"unknown workload {spec!r}; expected 'chat' or 'trace:PATH'")

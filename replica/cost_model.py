@@ -1,0 +1,153 @@
+"""Simulated GPU time of one engine step: a roofline over the batch's work.
+
+A step costs a fixed CPU overhead plus the larger of its compute time (matmul and
+attention FLOPs) and its memory time (weights and KV read from HBM). Prefill adds
+FLOPs per *uncached* token, so a prefix-cache hit cuts time to first token through
+less prefill work and nothing else. Decode is memory-bound: it pays for streaming the
+weights once per step and the KV of every running sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The work of one step.
+
+    ``prefill_attention_pairs`` counts (query token, key token) pairs of the prefill
+    chunks: a chunk of n new tokens after c computed ones attends to c + (n + 1) / 2
+    keys per token on average.
+    """
+
+    prefill_seqs: int = 0
+    prefill_tokens: int = 0
+    prefill_attention_pairs: float = 0.0
+    decode_seqs: int = 0
+    decode_context_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Constants of one model on one GPU. See each profile below for sources."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    kv_bytes_per_token: int
+    weight_bytes: float
+    peak_flops: float
+    hbm_bytes_per_s: float
+    compute_efficiency: float
+    memory_efficiency: float
+    step_overhead_s: float
+    seq_overhead_s: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
+            raise ValueError("efficiencies must lie in (0, 1]")
+
+    def step_time(self, batch: BatchShape) -> float:
+        """Seconds of GPU time for ``batch``; 0 for an empty batch."""
+        tokens = batch.num_tokens
+        if tokens == 0:
+            return 0.0
+        attention_pairs = batch.prefill_attention_pairs + batch.decode_context_tokens
+        flops = 2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attention_pairs
+        compute_s = flops / (self.peak_flops * self.compute_efficiency)
+        kv_read = self.kv_bytes_per_token * batch.decode_context_tokens
+        memory_s = (self.weight_bytes + kv_read) / (self.hbm_bytes_per_s * self.memory_efficiency)
+        overhead_s = self.step_overhead_s + self.seq_overhead_s * batch.num_seqs
+        return overhead_s + max(compute_s, memory_s)
+
+
+def _llama3_kv_bytes(num_layers: int) -> int:
+    # K and V, 8 KV heads of dimension 128, bf16 (2 bytes): Llama-3 GQA config.
+    return 2 * num_layers * 8 * 128 * 2
+
+
+# Llama-3-8B: 32 layers, hidden 4096, 8 KV heads (model config, as mirrored in
+# microsoft/vidur data/model_configs/meta-llama/Meta-Llama-3-8B.yml); 8.03e9 parameters,
+# derived from that config with untied embeddings.
+# H100 SXM5: 989.4 dense BF16 TFLOPS and 3.35 TB/s HBM3 (NVIDIA H100 datasheet).
+# Efficiencies: Vidur's per-layer profiles of Llama-3-8B (data/profiling/compute/a100/
+# meta-llama/Meta-Llama-3-8B/mlp.csv) run prefill matmuls at ~70% of peak FLOPS and
+# batch-1 decode at ~78% of peak bandwidth.
+# Overheads: Vidur's cpu_overheads.csv measured ~2 ms per step at batch 8 for vLLM v0;
+# vLLM v1 removed most of it (vLLM blog, 2024-09-05 "perf update"), hence 1 ms plus
+# 20 us per sequence.
+LLAMA3_8B_H100 = CostProfile(
+    name="llama3-8b-h100",
+    num_params=8.03e9,
+    num_layers=32,
+    hidden_size=4096,
+    kv_bytes_per_token=_llama3_kv_bytes(32),
+    weight_bytes=2 * 8.03e9,
+    peak_flops=989.4e12,
+    hbm_bytes_per_s=3.35e12,
+    compute_efficiency=0.70,
+    memory_efficiency=0.78,
+    step_overhead_s=1.0e-3,
+    seq_overhead_s=20e-6,
+)
+
+# The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e
+# (NVIDIA A100 datasheet); efficiencies measured on this GPU by Vidur (see above).
+LLAMA3_8B_A100 = CostProfile(
+    name="llama3-8b-a100",
+    num_params=8.03e9,
+    num_layers=32,
+    hidden_size=4096,
+    kv_bytes_per_token=_llama3_kv_bytes(32),
+    weight_bytes=2 * 8.03e9,
+    peak_flops=312e12,
+    hbm_bytes_per_s=2.039e12,
+    compute_efficiency=0.70,
+    memory_efficiency=0.78,
+    step_overhead_s=1.0e-3,
+    seq_overhead_s=20e-6,
+)
+
+# Llama-3-70B on 4 H100s with tensor parallelism: 80 layers, hidden 8192, 8 KV heads
+# (Vidur's Meta-Llama-3-70B.yml), 70.55e9 parameters. Weights and KV heads are split
+# over the four GPUs, so whole-model bytes over four GPUs' bandwidth give the time;
+# lower efficiencies stand for the all-reduce cost of tensor parallelism (assumed).
+LLAMA3_70B_4XH100 = CostProfile(
+    name="llama3-70b-4xh100",
+    num_params=70.55e9,
+    num_layers=80,
+    hidden_size=8192,
+    kv_bytes_per_token=_llama3_kv_bytes(80),
+    weight_bytes=2 * 70.55e9,
+    peak_flops=4 * 989.4e12,
+    hbm_bytes_per_s=4 * 3.35e12,
+    compute_efficiency=0.60,
+    memory_efficiency=0.70,
+    step_overhead_s=1.5e-3,
+    seq_overhead_s=20e-6,
+)
+
+PROFILES: dict[str, CostProfile] = {
+    p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100, LLAMA3_70B_4XH100)
+}
+DEFAULT_PROFILE = LLAMA3_8B_H100.name
+
+CostFn = Callable[[BatchShape], float]
+
+
+def get_profile(name: str) -> CostProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}") from None

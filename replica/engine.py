@@ -1,0 +1,219 @@
+"""The simulated engine: a prefix cache, a scheduler, a timing model and a toy model.
+
+``Engine.step()`` runs one continuous-batching iteration and returns the tokens it
+produced with the simulated duration of that step. It does no I/O, never sleeps and
+never reads the wall clock: its ``now`` is virtual time, advanced by step durations
+(and by :meth:`Engine.advance_to` when the caller lets it idle). Given the same seed
+and the same calls, it produces the same tokens and the same durations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from replica.cost_model import DEFAULT_PROFILE, BatchShape, CostProfile, get_profile
+from replica.hashing import BlockHasher, identity_seed
+from replica.prefix_cache import CacheStats, PrefixCache
+from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from replica.sequence import EngineRequest, FinishReason, Sequence
+from replica.tokenizer import ByteTokenizer
+
+HasherFactory = Callable[[int, int], BlockHasher]  # (block_size, seed) -> hasher
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine replica's shape. ``num_blocks`` x ``block_size`` tokens of KV cache."""
+
+    model: str = "sim-llama3-8b"
+    num_blocks: int = 8192
+    block_size: int = 16
+    profile: str = DEFAULT_PROFILE
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: Chance that the toy model ends a reply at each token, unless the request
+    #: ignores EOS; 1/256 gives replies of 256 tokens on average.
+    eos_probability: float = 1 / 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError("eos_probability must lie in [0, 1]")
+        get_profile(self.profile)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in one step (at most one token: no speculation)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    duration_s: float
+    outputs: list[RequestOutput]
+    batch: BatchShape
+
+
+# The toy model's vocabulary: consonant-vowel-consonant words and a space, so that a
+# reply decodes to readable, 4-byte tokens (see ByteTokenizer).
+_VOWELS, _CONSONANTS = "aeiou", "bcdfghjklmnpqrstvwxyz"
+VOCABULARY = tuple(
+    int.from_bytes(f"{a}{v}{b} ".encode(), "little")
+    for a in _CONSONANTS
+    for v in _VOWELS
+    for b in _CONSONANTS
+)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        hasher_factory: HasherFactory = BlockHasher,
+        tokenizer: ByteTokenizer | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.cost: CostProfile = get_profile(self.config.profile)
+        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.cache)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self._hasher_factory = hasher_factory
+        self._seqs: dict[str, Sequence] = {}
+        self.now = 0.0
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.prefill_tokens_computed = 0
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ValueError if it could never fit in the KV cache."""
+        if request.request_id in self._seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        needed = len(request.prompt_token_ids) + request.max_tokens
+        if needed > self.config.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
+                f"({request.max_tokens}) exceeds the KV cache ({self.config.capacity_tokens} tokens)"
+            )
+        seed = identity_seed(self.config.model, request.cache_salt)
+        hasher = self._hasher_factory(self.config.block_size, seed)
+        sample_seed = xxhash.xxh3_64_intdigest(request.request_id.encode(), seed=self.config.seed)
+        seq = Sequence(request, hasher, sample_seed)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; ``False`` if it is unknown or finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --------------------------------------------------------------------- time
+
+    def advance_to(self, now: float) -> None:
+        """Let virtual time pass while idle (the clock never goes backwards)."""
+        self.now = max(self.now, now)
+
+    def step(self) -> StepResult:
+        """Run one iteration; an idle engine returns an empty result of zero duration."""
+        chunks = self.scheduler.schedule()
+        batch = batch_shape(chunks)
+        duration = self.cost.step_time(batch)
+        self.now += duration
+        self.busy_s += duration
+        self.num_steps += bool(chunks)
+        self.prefill_tokens_computed += batch.prefill_tokens
+        outputs = [out for chunk in chunks if (out := self._advance(chunk)) is not None]
+        return StepResult(duration, outputs, batch)
+
+    def _advance(self, chunk: ScheduledChunk) -> RequestOutput | None:
+        self.scheduler.commit(chunk)
+        seq = chunk.seq
+        if seq.num_uncomputed_tokens:
+            return None  # a prefill chunk that did not reach the end of the prompt
+        token = self._sample(seq)
+        seq.append_token(token)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            finished=reason is not None,
+            finish_reason=reason.value if reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def _sample(self, seq: Sequence) -> int:
+        """A token that depends only on the seed, the request id and the position."""
+        position = len(seq.output_token_ids).to_bytes(4, "little")
+        draw = xxhash.xxh3_64_intdigest(position, seed=seq.sample_seed)
+        if not seq.request.ignore_eos and (draw >> 40) < self.config.eos_probability * (1 << 24):
+            return self.tokenizer.eos_token_id
+        return VOCABULARY[draw % len(VOCABULARY)]
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if not seq.request.ignore_eos and token == self.tokenizer.eos_token_id:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.request.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # ------------------------------------------------------------------ figures
+
+    @property
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats
+
+    def reset_cache(self) -> bool:
+        """Clear the prefix cache and its statistics; refused while requests run."""
+        return not self.has_unfinished and self.cache.reset()
+
+
+def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
+    """Summarise a step's chunks for the cost model: only computed tokens cost compute."""
+    prefill_seqs = prefill_tokens = decode_seqs = decode_context = 0
+    pairs = 0.0
+    for chunk in chunks:
+        if chunk.num_tokens == 1 and chunk.seq.output_token_ids:
+            decode_seqs += 1
+            decode_context += chunk.num_computed + 1
+        else:
+            prefill_seqs += 1
+            prefill_tokens += chunk.num_tokens
+            pairs += chunk.num_tokens * (chunk.num_computed + (chunk.num_tokens + 1) / 2)
+    return BatchShape(prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context)

@@ -1,0 +1,70 @@
+"""Block identity: one function, used by the router and the replica alike.
+
+A block's identity is ``xxh3_64`` over the bytes of every token from the start of
+the prompt to the end of that block, computed with one streaming state (``update``
+per block, ``intdigest`` at each block end). Position is baked in, like a chained
+hash, and the result is chunk-invariant: the identity at token 64 is the same
+whether it was computed in blocks of 16 or of 64, so a router may look at every
+k-th boundary and get the replica's numbers. The state's seed comes from the model
+name and the tenant's cache salt, so two tenants never share an identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import numpy as np
+import xxhash
+
+from replica.tokenizer import TOKEN_DTYPE
+
+#: Computes the identities of the full blocks of ``tokens`` (see :class:`BlockHasher`).
+HashFn = Callable[[np.ndarray], list[int]]
+
+
+@lru_cache(maxsize=4096)
+def identity_seed(model: str, cache_salt: str | None = None) -> int:
+    """The seed of every identity for one (model, tenant salt) pair."""
+    return xxhash.xxh3_64_intdigest(f"{model}\x00{cache_salt or ''}".encode())
+
+
+class BlockHasher:
+    """Streaming identities of a growing token sequence, one per full block.
+
+    ``extend`` may be called with any number of tokens; it returns the identities
+    of the blocks that became full. A trailing partial block has no identity yet.
+    """
+
+    __slots__ = ("_pending", "_state", "_step", "block_size")
+
+    def __init__(self, block_size: int, seed: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._step = block_size * TOKEN_DTYPE.itemsize
+        self._state = xxhash.xxh3_64(seed=seed)
+        self._pending = b""
+
+    def extend(self, tokens: np.ndarray) -> list[int]:
+        return self.extend_bytes(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+
+    def hold(self, data: bytes) -> None:
+        """Take tokens known not to complete a block (a cheap path for decoding)."""
+        self._pending += data
+
+    def extend_bytes(self, data: bytes) -> list[int]:
+        """Like :meth:`extend`, for tokens already laid out as little-endian uint32 bytes."""
+        data = self._pending + data if self._pending else data
+        step, state, hashes = self._step, self._state, []
+        full = len(data) - len(data) % step
+        for start in range(0, full, step):
+            state.update(data[start : start + step])
+            hashes.append(state.intdigest())
+        self._pending = data[full:]
+        return hashes
+
+
+def block_hashes(tokens: np.ndarray, block_size: int, seed: int) -> list[int]:
+    """Identities of the full blocks of ``tokens`` (stride ``block_size``)."""
+    return BlockHasher(block_size, seed).extend(tokens)

@@ -1,0 +1,330 @@
+"""A block pool with a prefix cache: identity -> block, reference counts, leaf-only LRU.
+
+Every physical block is in exactly one of three states:
+
+- **free**: on the free list, holding nothing;
+- **private**: pinned by a request (``ref_count > 0``) but not (yet) cached, such as
+  a request's trailing partial block;
+- **cached**: registered under its identity. A cached block with ``ref_count > 0``
+  is pinned; with ``ref_count == 0`` it is *idle*: it still holds its KV and can be
+  hit again, and it becomes *evictable* once no cached block hangs off it.
+
+A request pins every block of its block table, so the pinned blocks are closed under
+"parent of": every idle block can be reclaimed, leaves first, which is why idle
+blocks count as available.
+
+Eviction is LRU over evictable leaves only. A block with a cached child is never a
+candidate (its children's identities were computed through it), nor is a pinned one,
+so a shared system prompt with conversations hanging off it survives any churn.
+Candidates sit in a heap keyed by a unique use stamp with lazy deletion, which costs
+O(log n) per eviction and never scans the cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replica.tokenizer import TOKEN_DTYPE
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by :meth:`PrefixCache.allocate` when free plus evictable blocks fall short."""
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One physical KV block. ``token_bytes`` is kept while cached to verify every hit."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent: Block | None = None
+    num_children: int = 0
+    token_bytes: bytes = b""
+    last_used: int = 0
+
+    @property
+    def is_cached(self) -> bool:
+        return self.block_hash is not None
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.block_hash is not None and self.ref_count == 0 and self.num_children == 0
+
+
+EventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A change to the set of cached identities, as vLLM's KV events publish them."""
+
+    seq: int
+    kind: EventKind
+    block_hashes: tuple[int, ...] = ()
+    parent_hash: int | None = None
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since the last reset. Queries count prompt tokens and full prompt blocks."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    evictions: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+
+@dataclass
+class PrefixCache:
+    """``num_blocks`` blocks of ``block_size`` tokens, shared by all requests of an engine.
+
+    Contract: callers pin what they use (:meth:`acquire` for hits, :meth:`allocate`
+    for new blocks) and unpin it with :meth:`release`; only blocks a caller pins may
+    be passed to :meth:`cache_block`, and a cached block's parent must be pinned by
+    the same caller at that moment.
+    """
+
+    num_blocks: int
+    block_size: int
+    max_events: int = 100_000
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self._blocks = [Block(i) for i in range(self.num_blocks)]
+        self._free: deque[Block] = deque(self._blocks)
+        self._cached: dict[int, Block] = {}
+        self._candidates: list[tuple[int, Block]] = []  # (last_used, block), lazily pruned
+        self._num_idle = 0
+        self._clock = 0
+        self._events: list[KVEvent] = []  # the last max_events to 2 * max_events events
+        self._next_seq = 1
+
+    # ----------------------------------------------------------------- queries
+
+    def match(self, block_hashes: Sequence[int], token_bytes: bytes) -> list[Block]:
+        """The longest run of leading cached blocks whose tokens equal the prompt's.
+
+        ``token_bytes`` holds the prompt's tokens from its start. A hash whose stored
+        tokens differ (a collision) ends the run like a miss. Nothing is pinned.
+        """
+        step = self.block_size * TOKEN_DTYPE.itemsize
+        hits: list[Block] = []
+        get = self._cached.get
+        for i, block_hash in enumerate(block_hashes):
+            block = get(block_hash)
+            if block is None or block.token_bytes != token_bytes[i * step : (i + 1) * step]:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free) + self._num_idle
+
+    def lookup(self, block_hash: int) -> Block | None:
+        return self._cached.get(block_hash)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_idle_blocks(self) -> int:
+        """Cached blocks no request pins: reusable by a hit, reclaimable by eviction."""
+        return self._num_idle
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks pinned by requests (cached idle blocks count as available)."""
+        return 1.0 - (len(self._free) + self._num_idle) / self.num_blocks
+
+    @property
+    def last_event_seq(self) -> int:
+        return self._next_seq - 1
+
+    def events_since(self, seq: int) -> tuple[list[KVEvent], bool]:
+        """Events with a sequence number above ``seq``, and whether any were lost.
+
+        Lost events (the log holds ``max_events``) mean the consumer must resync.
+        """
+        first = self._next_seq - len(self._events)
+        return self._events[max(seq + 1 - first, 0) :], seq + 1 < first
+
+    # ---------------------------------------------------------------- commands
+
+    def acquire(self, blocks: Iterable[Block]) -> None:
+        """Pin cached blocks (a hit): they can no longer be evicted."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self._num_idle -= 1
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Pin ``num_blocks`` empty blocks, evicting LRU leaves if the free list runs dry."""
+        if not self.can_allocate(num_blocks):
+            raise NoFreeBlocksError(
+                f"need {num_blocks} blocks, have {len(self._free)} free "
+                f"and {self._num_idle} idle cached"
+            )
+        if len(self._free) < num_blocks:
+            self._evict(num_blocks - len(self._free))
+        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            block.ref_count = 1
+        return blocks
+
+    def cache_block(
+        self, block: Block, block_hash: int, parent: Block | None, token_bytes: bytes
+    ) -> Block | None:
+        """Register a full block that the caller pins; return the block to keep using.
+
+        If the identity is already cached with the same tokens (another request
+        computed it meanwhile), the caller's copy is released and the cached block,
+        now pinned, is returned in its place. If it is cached with other tokens (a
+        hash collision), nothing is registered and ``None`` is returned: the caller
+        keeps its private block and must cache none of the blocks after it.
+        """
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            if existing.token_bytes != token_bytes:
+                return None
+            self.acquire((existing,))
+            self.release((block,))
+            return existing
+        block.block_hash, block.parent, block.token_bytes = block_hash, parent, token_bytes
+        self._cached[block_hash] = block
+        if parent is not None:
+            parent.num_children += 1
+        self.stats.stored_blocks += 1
+        self._log("stored", (block_hash,), parent.block_hash if parent else None)
+        return block
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Unpin blocks; pass a request's blocks tail first so leaves age before parents."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            self._clock += 1
+            block.last_used = self._clock
+            if not block.is_cached:
+                self._free.append(block)
+                continue
+            self._num_idle += 1
+            if block.num_children == 0:
+                self._make_candidate(block)
+
+    def reset(self) -> bool:
+        """Forget every cached identity; refused (``False``) while any block is pinned."""
+        if any(block.ref_count for block in self._blocks):
+            return False
+        for block in self._cached.values():
+            self._forget(block)
+            self._free.append(block)
+        self._cached.clear()
+        self._candidates.clear()
+        self._num_idle = 0
+        self.stats = CacheStats()
+        self._log("cleared")
+        return True
+
+    # ---------------------------------------------------------------- internals
+
+    def _make_candidate(self, block: Block) -> None:
+        heapq.heappush(self._candidates, (block.last_used, block))
+        if len(self._candidates) > 2 * self._num_idle + 1024:
+            self._prune_candidates()
+
+    def _prune_candidates(self) -> None:
+        """Drop stale heap entries; amortised O(1) per push since the heap halves."""
+        live = {b.block_id: (stamp, b) for stamp, b in self._candidates if b.is_evictable}
+        self._candidates = [(b.last_used, b) for _, b in live.values()]
+        heapq.heapify(self._candidates)
+
+    def _evict(self, num_blocks: int) -> None:
+        removed: list[int] = []
+        while len(removed) < num_blocks:
+            stamp, block = heapq.heappop(self._candidates)
+            if block.last_used != stamp or not block.is_evictable:
+                continue  # stale: the block was hit, gained a child, or was evicted
+            removed.append(block.block_hash)  # type: ignore[arg-type]
+            parent = block.parent
+            del self._cached[block.block_hash]  # type: ignore[index]
+            self._forget(block)
+            self._num_idle -= 1
+            self._free.append(block)
+            if parent is not None:
+                parent.num_children -= 1
+                if parent.is_evictable:
+                    self._make_candidate(parent)
+        self.stats.evictions += len(removed)
+        self._log("removed", tuple(removed))
+
+    @staticmethod
+    def _forget(block: Block) -> None:
+        block.block_hash, block.parent, block.num_children, block.token_bytes = None, None, 0, b""
+
+    def _log(self, kind: EventKind, hashes: tuple[int, ...] = (), parent: int | None = None) -> None:
+        self._events.append(KVEvent(self._next_seq, kind, hashes, parent))
+        self._next_seq += 1
+        if len(self._events) >= 2 * self.max_events:
+            del self._events[: self.max_events]  # amortised O(1) per event
+
+    # ---------------------------------------------------------------- checking
+
+    def check_invariants(self) -> None:
+        """Full O(n) consistency check, for tests and debugging; raises AssertionError."""
+        free_ids = {b.block_id for b in self._free}
+        assert len(free_ids) == len(self._free), "a block is on the free list twice"
+        assert len(self._free) + self.num_used_blocks == self.num_blocks
+        for block in self._blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has a negative refcount"
+            in_free = block.block_id in free_ids
+            assert in_free == (block.ref_count == 0 and not block.is_cached), (
+                f"block {block.block_id} free-list membership disagrees with its state"
+            )
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash
+            if block.parent is not None:
+                assert self._cached.get(block.parent.block_hash) is block.parent, (  # type: ignore[arg-type]
+                    f"cached block {block.block_id} outlived its parent"
+                )
+        children = {h: 0 for h in self._cached}
+        for block in self._cached.values():
+            if block.parent is not None:
+                children[block.parent.block_hash] += 1  # type: ignore[index]
+        for block_hash, count in children.items():
+            assert self._cached[block_hash].num_children == count
+        idle = sum(b.ref_count == 0 for b in self._cached.values())
+        assert idle == self._num_idle, (idle, self._num_idle)
+        for block in self._cached.values():
+            if block.ref_count and block.parent is not None:
+                assert block.parent.ref_count, "a pinned block's parent is not pinned"
+        live = {id(b) for stamp, b in self._candidates if b.is_evictable and b.last_used == stamp}
+        assert live == {id(b) for b in self._cached.values() if b.is_evictable}, (
+            "an evictable leaf is missing from the candidate heap"
+        )

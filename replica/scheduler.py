@@ -1,0 +1,178 @@
+"""Continuous batching over a prefix cache: which tokens of which requests run next.
+
+Each step has a token budget. Running requests go first, in arrival order: a decode
+takes one token, an unfinished prefill takes the rest of its prompt up to the budget
+(chunked prefill). If their blocks run out, the latest-arrived running request is
+preempted (its blocks freed, to be recomputed later, where it may hit the cache).
+Then waiting requests are admitted first come, first served, each starting after its
+longest cached prefix, while the budget, the blocks and the cap on running requests
+allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from replica.prefix_cache import Block, PrefixCache
+from replica.sequence import FinishReason, Sequence, Status
+from replica.tokenizer import TOKEN_DTYPE
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``)."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` computed this step, after ``num_computed`` ones."""
+
+    seq: Sequence
+    num_computed: int
+    num_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Choose this step's work and pin the blocks it needs."""
+        budget = self.config.max_num_batched_tokens
+        chunks, preempted = self._schedule_running(budget)
+        budget -= sum(c.num_tokens for c in chunks)
+        if not preempted or not self.running:  # after a preemption, admit only into an empty batch
+            chunks += self._admit_waiting(budget)
+        return chunks
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], bool]:
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self._grow(seq, seq.num_computed_tokens + num_tokens):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    return chunks, preempted
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return chunks, preempted
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self._match(seq)
+            num_computed = len(hits) * self.cache.block_size
+            num_tokens = min(seq.num_tokens - num_computed, budget)
+            num_new_blocks = self._blocks_for(num_computed + num_tokens) - len(hits)
+            idle_hits = sum(block.ref_count == 0 for block in hits)  # hits stop being reclaimable
+            if not self.cache.can_allocate(num_new_blocks + idle_hits):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.cache.acquire(hits)
+            seq.block_table = hits + self.cache.allocate(num_new_blocks)
+            seq.num_cached_blocks = len(hits)
+            seq.num_computed_tokens = num_computed
+            self._record_query(seq, num_computed)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, num_computed, num_tokens))
+            budget -= num_tokens
+        return chunks
+
+    def _match(self, seq: Sequence) -> list[Block]:
+        """Leading cached blocks, leaving at least one token to compute (it yields logits)."""
+        max_blocks = (seq.num_tokens - 1) // self.cache.block_size
+        return self.cache.match(seq.block_hashes[:max_blocks], bytes(seq.token_bytes))
+
+    def _record_query(self, seq: Sequence, num_cached: int) -> None:
+        if seq.num_cached_prompt_tokens is not None:
+            return  # count each request once, not again when it resumes from preemption
+        seq.num_cached_prompt_tokens = num_cached
+        stats = self.cache.stats
+        stats.query_tokens += seq.num_prompt_tokens
+        stats.hit_tokens += num_cached
+        stats.query_blocks += seq.num_prompt_tokens // self.cache.block_size
+        stats.hit_blocks += num_cached // self.cache.block_size
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cache.block_size)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` blocks for ``num_tokens`` tokens; ``False`` if the pool is short."""
+        missing = self._blocks_for(num_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if not self.cache.can_allocate(missing):
+            return False
+        seq.block_table += self.cache.allocate(missing)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.cache.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def commit(self, chunk: ScheduledChunk) -> None:
+        """Record that ``chunk`` was computed and cache the blocks it filled."""
+        seq = chunk.seq
+        seq.num_computed_tokens = chunk.num_computed + chunk.num_tokens
+        num_full = min(seq.num_computed_tokens // self.cache.block_size, len(seq.block_hashes))
+        while seq.cacheable and seq.num_cached_blocks < num_full:
+            self._cache_block(seq, seq.num_cached_blocks)
+
+    def _cache_block(self, seq: Sequence, index: int) -> None:
+        step = self.cache.block_size * TOKEN_DTYPE.itemsize
+        parent = seq.block_table[index - 1] if index else None
+        token_bytes = bytes(seq.token_bytes[index * step : (index + 1) * step])
+        kept = self.cache.cache_block(
+            seq.block_table[index], seq.block_hashes[index], parent, token_bytes
+        )
+        if kept is None:
+            seq.cacheable = False  # a hash collision: keep this block private, cache no more
+            return
+        seq.block_table[index] = kept
+        seq.num_cached_blocks += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Free a request's blocks and drop it from whichever queue holds it."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
