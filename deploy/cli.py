@@ -8,7 +8,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Sequence[str] = ()) -> None:
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Sequence[str] = ()
+) -> None:
     """One ``--prefix-name`` flag per scalar field of dataclass ``cls``, with its default."""
     group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
     for field in dataclasses.fields(cls):
@@ -19,9 +22,21 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             continue
         flag = f"--{prefix}{field.name.replace('_', '-')}"
         if kind is bool:
-            group.add_argument(flag, dest=f"{prefix}{field.name}", action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(
+                flag,
+                dest=f"{prefix}{field.name}",
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+            )
         else:
-            group.add_argument(flag, dest=f"{prefix}{field.name}".replace("-", "_"), type=kind, default=field.default, metavar=kind.__name__.upper(), help=f"default: {field.default}")
+            group.add_argument(
+                flag,
+                dest=f"{prefix}{field.name}".replace("-", "_"),
+                type=kind,
+                default=field.default,
+                metavar=kind.__name__.upper(),
+                help=f"default: {field.default}",
+            )
 
 
 def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
@@ -50,7 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"prefix-router {args.command}: error: {error}", file=sys.stderr)
         return 2
-
 
 
 if __name__ == "__main__":

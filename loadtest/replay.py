@@ -45,7 +45,12 @@ class ReplayConfig:
     def engine_config(self) -> EngineConfig:
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
         return EngineConfig(
-            self.model, self.capacity_blocks, self.block_size, self.profile, scheduler, seed=self.seed
+            self.model,
+            self.capacity_blocks,
+            self.block_size,
+            self.profile,
+            scheduler,
+            seed=self.seed,
         )
 
 
@@ -224,7 +229,11 @@ class Simulation:
         seen_apps: set[tuple[int, int]] = set()
         for session in self.workload.sessions:
             key = (session.app, session.shared_prefix_tokens)
-            if key in seen_apps or not session.shared_prefix_tokens or session.turns[0].messages is None:
+            if (
+                key in seen_apps
+                or not session.shared_prefix_tokens
+                or session.turns[0].messages is None
+            ):
                 continue
             seen_apps.add(key)
             prompt = session.turns[0].prompt_token_ids[: session.shared_prefix_tokens]
@@ -241,7 +250,9 @@ class Simulation:
         self._event_seqs[index] = cache.last_event_seq
         for event in events:
             if event.kind == "removed":
-                self.shared_prefix_evictions += len(self._shared_hashes.intersection(event.block_hashes))
+                self.shared_prefix_evictions += len(
+                    self._shared_hashes.intersection(event.block_hashes)
+                )
 
 
 def replay(

@@ -41,7 +41,9 @@ def add_replay_parser(commands: Any) -> None:
         help=f"one row per capacity (default list: {','.join(map(str, DEFAULT_SWEEP))})",
     )
     parser.add_argument("--limit", type=int, help="replay only the first N trace requests")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md section 7)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the rows as JSON (DESIGN.md section 7)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_flags(parser, ReplayConfig)
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
@@ -65,7 +67,9 @@ def _capacities(args: argparse.Namespace) -> list[int]:
     try:
         return [int(value) for value in args.sweep_capacity.split(",")]
     except ValueError:
-        raise ValueError(f"--sweep-capacity takes whole numbers, got {args.sweep_capacity!r}") from None
+        raise ValueError(
+            f"--sweep-capacity takes whole numbers, got {args.sweep_capacity!r}"
+        ) from None
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -73,7 +77,10 @@ def run_replay(args: argparse.Namespace) -> int:
     base = ReplayConfig(**config_overrides(args, ReplayConfig))
     policies = [p for p in args.policies.split(",") if p]
     runs = [(policy, capacity) for capacity in _capacities(args) for policy in policies]
-    rows = [_replay_one(workload, dataclasses.replace(base, capacity_blocks=c), p, args) for p, c in runs]
+    rows = [
+        _replay_one(workload, dataclasses.replace(base, capacity_blocks=c), p, args)
+        for p, c in runs
+    ]
     print(format_table(rows, TABLE_KEYS))
     if args.json:
         meta = {"seed": base.seed, "command": command_line(), "version": _version()}
@@ -82,10 +89,17 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_one(workload: Workload, config: ReplayConfig, policy: str, args: argparse.Namespace) -> Row:
+def _replay_one(
+    workload: Workload, config: ReplayConfig, policy: str, args: argparse.Namespace
+) -> Row:
     label = f"{policy} @ {config.capacity_blocks} blocks" if args.sweep_capacity else policy
     with tqdm(
-        total=workload.num_requests, desc=label, unit="req", disable=args.no_progress, file=sys.stderr, leave=False
+        total=workload.num_requests,
+        desc=label,
+        unit="req",
+        disable=args.no_progress,
+        file=sys.stderr,
+        leave=False,
     ) as bar:
         result = replay(workload, config, policy, on_request_done=lambda: bar.update())
     return replay_row(result, label)

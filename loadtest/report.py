@@ -69,7 +69,9 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "preemptions": sum(e.scheduler.num_preemptions for e in result.engines),
         "shared_prefix_evictions": result.shared_prefix_evictions,
         "shared_prefix_hit_rate": (
-            sum(r.cached_tokens >= r.shared_prefix_tokens // block_size * block_size for r in shared)
+            sum(
+                r.cached_tokens >= r.shared_prefix_tokens // block_size * block_size for r in shared
+            )
             / len(shared)
             if shared
             else None
@@ -94,9 +96,12 @@ def format_table(rows: Sequence[Row], keys: Sequence[str]) -> str:
     """A plain-text table (also valid Markdown) of ``keys`` for every row."""
     cells = [[_cell(row.get(k), k) for k in keys] for row in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    line = lambda values: "| " + " | ".join(v.rjust(w) for v, w in zip(values, widths, strict=True)) + " |"  # noqa: E731
+
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.rjust(w) for v, w in zip(values, widths, strict=True)) + " |"
+
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(list(keys)), rule, *(line(c) for c in cells)])
+    return "\n".join([line(keys), rule, *(line(c) for c in cells)])
 
 
 def write_json(path: str | Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -138,7 +138,9 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
     rng = np.random.default_rng(config.seed)
     apps = [_app_prefix(rng, config, app) for app in range(config.num_apps)]
     popularity = 1.0 / np.arange(1, config.num_apps + 1) ** config.app_skew
-    app_of_session = rng.choice(config.num_apps, config.num_sessions, p=popularity / popularity.sum())
+    app_of_session = rng.choice(
+        config.num_apps, config.num_sessions, p=popularity / popularity.sum()
+    )
     gaps = rng.exponential(1.0 / config.session_rate, config.num_sessions)
     starts = np.cumsum(gaps) - gaps[0]
     tokenizer = ByteTokenizer()
@@ -179,7 +181,10 @@ def _chat_session(
         opening = "Document: " + _text(rng, config.document_tokens) + "\n"
     turns = []
     for turn in range(num_turns):
-        question = {"role": "user", "content": opening + _text(rng, _lognormal(rng, config.user_tokens))}
+        question = {
+            "role": "user",
+            "content": opening + _text(rng, _lognormal(rng, config.user_tokens)),
+        }
         opening = ""
         messages = (*history, question)
         reply_len = _lognormal(rng, config.reply_tokens)
@@ -189,7 +194,9 @@ def _chat_session(
     return Session(f"chat-{index}", start, tuple(turns), app, shared)
 
 
-def _chat_prompt(tokenizer: ByteTokenizer, messages: tuple[Message, ...]) -> Callable[[], np.ndarray]:
+def _chat_prompt(
+    tokenizer: ByteTokenizer, messages: tuple[Message, ...]
+) -> Callable[[], np.ndarray]:
     return lambda: tokenizer.apply_chat_template(messages)
 
 
@@ -213,7 +220,9 @@ def trace_prompt(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
     blocks = [trace_block_tokens(h) for h in hash_ids]
     tokens = np.concatenate(blocks) if blocks else np.empty(0, TOKEN_DTYPE)
     if len(tokens) < input_length:  # a trace may claim more tokens than its ids cover
-        tokens = np.concatenate((tokens, trace_block_tokens(-1 - len(tokens), input_length - len(tokens))))
+        tokens = np.concatenate(
+            (tokens, trace_block_tokens(-1 - len(tokens), input_length - len(tokens)))
+        )
     return tokens[:input_length]
 
 
@@ -228,7 +237,7 @@ def trace_workload(path: str | Path, limit: int | None = None, time_scale: float
             hash_ids, length = tuple(record["hash_ids"]), int(record["input_length"])
             start = float(record["timestamp"]) / 1000.0 * time_scale
             turn = Turn(
-                lambda h=hash_ids, n=length: trace_prompt(h, n),
+                partial(trace_prompt, hash_ids, length),
                 max(1, int(record["output_length"])),
                 timestamp_s=start,
             )

@@ -64,7 +64,9 @@ class CostProfile:
         if tokens == 0:
             return 0.0
         attention_pairs = batch.prefill_attention_pairs + batch.decode_context_tokens
-        flops = 2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attention_pairs
+        flops = (
+            2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attention_pairs
+        )
         compute_s = flops / (self.peak_flops * self.compute_efficiency)
         kv_read = self.kv_bytes_per_token * batch.decode_context_tokens
         memory_s = (self.weight_bytes + kv_read) / (self.hbm_bytes_per_s * self.memory_efficiency)

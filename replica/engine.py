@@ -110,7 +110,8 @@ class Engine:
         if needed > self.config.capacity_tokens:
             raise ValueError(
                 f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
-                f"({request.max_tokens}) exceeds the KV cache ({self.config.capacity_tokens} tokens)"
+                f"({request.max_tokens}) exceeds the KV cache "
+                f"({self.config.capacity_tokens} tokens)"
             )
         seed = identity_seed(self.config.model, request.cache_salt)
         hasher = self._hasher_factory(self.config.block_size, seed)

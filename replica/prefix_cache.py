@@ -271,9 +271,10 @@ class PrefixCache:
             stamp, block = heapq.heappop(self._candidates)
             if block.last_used != stamp or not block.is_evictable:
                 continue  # stale: the block was hit, gained a child, or was evicted
-            removed.append(block.block_hash)  # type: ignore[arg-type]
-            parent = block.parent
-            del self._cached[block.block_hash]  # type: ignore[index]
+            block_hash, parent = block.block_hash, block.parent
+            assert block_hash is not None  # evictable blocks are cached
+            removed.append(block_hash)
+            del self._cached[block_hash]
             self._forget(block)
             self._num_idle -= 1
             self._free.append(block)
@@ -288,7 +289,9 @@ class PrefixCache:
     def _forget(block: Block) -> None:
         block.block_hash, block.parent, block.num_children, block.token_bytes = None, None, 0, b""
 
-    def _log(self, kind: EventKind, hashes: tuple[int, ...] = (), parent: int | None = None) -> None:
+    def _log(
+        self, kind: EventKind, hashes: tuple[int, ...] = (), parent: int | None = None
+    ) -> None:
         self._events.append(KVEvent(self._next_seq, kind, hashes, parent))
         self._next_seq += 1
         if len(self._events) >= 2 * self.max_events:

@@ -1,0 +1,104 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from loadtest.workloads import (
+    ChatConfig,
+    chat_workload,
+    load_workload,
+    trace_block_tokens,
+    trace_prompt,
+)
+from replica.tokenizer import ByteTokenizer
+from tests.shared import MOONCAKE_TRACE
+
+TRACE = MOONCAKE_TRACE
+
+
+def prompts(workload):
+    return [t.prompt_token_ids for s in workload.sessions for t in s.turns]
+
+
+def test_the_same_seed_gives_the_same_requests():
+    config = ChatConfig(num_sessions=20)
+    a, b = chat_workload(config), chat_workload(config)
+    assert all(np.array_equal(x, y) for x, y in zip(prompts(a), prompts(b), strict=True))
+    assert [s.start_time_s for s in a.sessions] == [s.start_time_s for s in b.sessions]
+    other = chat_workload(ChatConfig(num_sessions=20, seed=1))
+    assert not np.array_equal(prompts(a)[0], prompts(other)[0])
+
+
+def test_each_turn_resends_the_whole_conversation():
+    workload = chat_workload(ChatConfig(num_sessions=30, mean_turns=5))
+    session = max(workload.sessions, key=lambda s: len(s.turns))
+    assert len(session.turns) > 2
+    for before, after in itertools.pairwise(session.turns):
+        first, second = before.prompt_token_ids, after.prompt_token_ids
+        assert len(second) > len(first) + after.messages[-2]["content"].count(" ")
+        assert np.array_equal(second[: len(first)], first)
+
+
+def test_sessions_of_one_app_share_its_system_prompt():
+    workload = chat_workload(ChatConfig(num_sessions=40, num_apps=2))
+    by_app: dict[int, list] = {}
+    for session in workload.sessions:
+        by_app.setdefault(session.app, []).append(session)
+    for sessions in by_app.values():
+        shared = sessions[0].shared_prefix_tokens
+        heads = {
+            sessions[i].turns[0].prompt_token_ids[:shared].tobytes() for i in range(len(sessions))
+        }
+        assert len(heads) == 1
+    assert len({s.turns[0].prompt_token_ids[:100].tobytes() for s in workload.sessions}) == 2
+
+
+def test_popularity_is_skewed_towards_the_first_apps():
+    workload = chat_workload(ChatConfig(num_sessions=400, num_apps=4))
+    counts = np.bincount([s.app for s in workload.sessions], minlength=4)
+    assert counts[0] > counts[1] > counts[3]
+
+
+def test_documents_and_fewshot_blocks_lengthen_prompts():
+    plain = chat_workload(ChatConfig(num_sessions=20))
+    rich = chat_workload(ChatConfig(num_sessions=20, fewshot_tokens=400, document_probability=1.0))
+    assert (
+        len(rich.sessions[0].turns[0].prompt_token_ids)
+        > len(plain.sessions[0].turns[0].prompt_token_ids) + 1000
+    )
+
+
+def test_chat_prompts_are_the_chat_template_of_their_messages():
+    turn = chat_workload(ChatConfig(num_sessions=1)).sessions[0].turns[0]
+    assert np.array_equal(turn.prompt_token_ids, ByteTokenizer().apply_chat_template(turn.messages))
+
+
+def test_trace_hash_ids_become_deterministic_runs_of_512_tokens():
+    assert np.array_equal(trace_block_tokens(5), trace_block_tokens(5))
+    assert not np.array_equal(trace_block_tokens(5), trace_block_tokens(6))
+    tokens = trace_prompt([0, 1, 2], 1100)
+    assert len(tokens) == 1100
+    assert np.array_equal(tokens[512:1024], trace_block_tokens(1))
+
+
+def test_the_mooncake_trace_keeps_lengths_outputs_and_timestamps():
+    workload = load_workload(f"trace:{TRACE}", {"limit": 50})
+    assert workload.arrival == "trace" and len(workload.sessions) == 50
+    first = workload.sessions[0].turns[0]
+    assert len(first.prompt_token_ids) == 6758 and first.max_tokens == 500
+    assert first.timestamp_s == 0.0
+    starts = [s.start_time_s for s in workload.sessions]
+    assert starts == sorted(starts) and starts[-1] > 0
+    heads = {s.turns[0].prompt_token_ids[:512].tobytes() for s in workload.sessions}
+    assert len(heads) == 1  # every request starts with hash id 0
+
+
+def test_bad_workload_specs_are_explained():
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("poem")
+    with pytest.raises(ValueError, match="not found"):
+        load_workload("trace:/nonexistent.jsonl")
+    with pytest.raises(ValueError, match="unknown chat parameters"):
+        load_workload("chat", {"num_session": 3})
+    with pytest.raises(ValueError, match="arrival"):
+        ChatConfig(arrival="trace")
