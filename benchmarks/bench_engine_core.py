@@ -54,10 +54,7 @@ def make_chains(count: int, rng: np.random.Generator) -> list[Chain]:
 
 def insert_chain(cache: PrefixCache, chain: Chain) -> list[Block]:
     blocks = cache.allocate(CHAIN)
-    parent = None
-    for i, block in enumerate(blocks):
-        cache.cache_block(block, chain.hashes[i], parent, chain.raw[i * STEP : (i + 1) * STEP])
-        parent = block
+    cache.cache_blocks(blocks, 0, CHAIN, chain.hashes, chain.raw)
     return blocks
 
 

@@ -12,7 +12,11 @@ from typing import Any
 def add_config_flags(
     parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Sequence[str] = ()
 ) -> None:
-    """One ``--prefix-name`` flag per scalar field of dataclass ``cls``, with its default."""
+    """One ``--prefix-name`` flag per scalar field of dataclass ``cls``.
+
+    Flags default to ``None`` (their help shows the dataclass default), so
+    :func:`config_overrides` returns exactly what the user gave.
+    """
     group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
     for field in dataclasses.fields(cls):
         if field.name in skip or field.default is dataclasses.MISSING:
@@ -21,32 +25,28 @@ def add_config_flags(
         if kind not in (int, float, str, bool):
             continue
         flag = f"--{prefix}{field.name.replace('_', '-')}"
+        dest = _dest(prefix, field.name)
         if kind is bool:
-            group.add_argument(
-                flag,
-                dest=f"{prefix}{field.name}",
-                action=argparse.BooleanOptionalAction,
-                default=field.default,
-            )
+            action: Any = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=dest, action=action, default=None)
         else:
-            group.add_argument(
-                flag,
-                dest=f"{prefix}{field.name}".replace("-", "_"),
-                type=kind,
-                default=field.default,
-                metavar=kind.__name__.upper(),
-                help=f"default: {field.default}",
-            )
+            metavar = kind.__name__.upper()
+            help_text = f"default: {field.default}"
+            group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=help_text)
 
 
 def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
-    """The fields of ``cls`` whose flags differ from their defaults."""
+    """The fields of ``cls`` that the user set on the command line."""
     values = {}
     for field in dataclasses.fields(cls):
-        dest = f"{prefix}{field.name}".replace("-", "_")
-        if hasattr(args, dest) and getattr(args, dest) != field.default:
-            values[field.name] = getattr(args, dest)
+        value = getattr(args, _dest(prefix, field.name), None)
+        if value is not None:
+            values[field.name] = value
     return values
+
+
+def _dest(prefix: str, name: str) -> str:
+    return f"{prefix}{name}".replace("-", "_")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -22,14 +22,15 @@ from replica.engine import Engine, EngineConfig, StepResult
 from replica.hashing import block_hashes, identity_seed
 from replica.scheduler import SchedulerConfig
 from replica.sequence import EngineRequest
-from router.policies import ReplicaState, RoutingRequest, make_policy
+from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.prefix_index import IndexConfig
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
     """One simulated fleet. Every replica gets ``capacity_blocks`` KV blocks."""
 
-    replicas: int = 1
+    replicas: int = 4
     capacity_blocks: int = 4096
     block_size: int = 16
     profile: str = DEFAULT_PROFILE
@@ -37,10 +38,20 @@ class ReplayConfig:
     max_num_batched_tokens: int = 8192
     model: str = "sim-llama3-8b"
     seed: int = 0
+    #: Every ``stride``-th block boundary is hashed by the router.
+    stride: int = 4
+    #: Decode iterations an engine may run per event (exact: see ``Engine.step``).
+    max_burst_steps: int = 64
+    #: Each engine computes this many times faster than its profile's GPU.
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.capacity_blocks < 1:
-            raise ValueError("replicas and capacity_blocks must be positive")
+        if self.replicas < 1 or self.capacity_blocks < 1 or self.stride < 1:
+            raise ValueError("replicas, capacity_blocks and stride must be positive")
+
+    def policy_config(self) -> PolicyConfig:
+        index = IndexConfig(stride=self.stride)
+        return PolicyConfig(block_size=self.block_size, index=index)
 
     def engine_config(self) -> EngineConfig:
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
@@ -50,7 +61,20 @@ class ReplayConfig:
             self.block_size,
             self.profile,
             scheduler,
+            compute_scale=self.compute_scale,
             seed=self.seed,
+        )
+
+    def pooled(self) -> ReplayConfig:
+        """One engine with the whole fleet's capacity and compute: a single shared cache."""
+        n = self.replicas
+        return replace(
+            self,
+            replicas=1,
+            capacity_blocks=n * self.capacity_blocks,
+            max_num_seqs=n * self.max_num_seqs,
+            max_num_batched_tokens=n * self.max_num_batched_tokens,
+            compute_scale=n * self.compute_scale,
         )
 
 
@@ -59,6 +83,8 @@ class RequestRecord:
     """One request's fate, in virtual seconds."""
 
     request_id: str
+    session: int
+    turn: int
     replica: int
     arrival_s: float
     prompt_tokens: int
@@ -68,6 +94,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: str | None = None
     shared_prefix_tokens: int = 0
+    predicted_cached_tokens: int | None = None
 
 
 @dataclass
@@ -82,18 +109,22 @@ class ReplayResult:
     dispatched: list[int] = field(default_factory=list)
 
 
-_ARRIVE, _DONE = 0, 1
-
-
 class Simulation:
-    """One replay run; :meth:`run` returns a :class:`ReplayResult`."""
+    """One replay run; :meth:`run` returns a :class:`ReplayResult`.
+
+    Two queues of events: turn arrivals and engine steps ending. An engine whose batch
+    is all decodes runs several iterations per event (a decode burst), but never past
+    the next moment a request could be routed to it: the next queued arrival, or the
+    earliest follow-up turn that a request now in flight could send.
+    """
 
     def __init__(
         self,
         workload: Workload,
         config: ReplayConfig,
         policy: str = "round_robin",
-        on_request_done: Callable[[], None] | None = None,
+        on_request_done: Callable[[], object] | None = None,
+        policy_config: PolicyConfig | None = None,
     ) -> None:
         self.workload = workload
         self.config = config
@@ -102,29 +133,41 @@ class Simulation:
         self.replicas = [
             ReplicaState(f"replica-{i}", config.capacity_blocks) for i in range(config.replicas)
         ]
-        self.policy = make_policy(policy, lambda: self.now, np.random.default_rng(config.seed))
+        self.policy = make_policy(
+            policy,
+            lambda: self.now,
+            np.random.default_rng(config.seed),
+            policy_config or config.policy_config(),
+        )
+        for replica in self.replicas:
+            self.policy.on_replica_added(replica)
         self.records: dict[str, RequestRecord] = {}
-        self._routing: dict[str, RoutingRequest] = {}
+        self.shared_prefix_evictions = 0
+        self._seed = identity_seed(config.model)
+        self._stride_tokens = config.block_size * config.stride
+        self._in_flight: dict[str, tuple[int, int, RoutingRequest]] = {}
         self._stepping = [False] * config.replicas
-        self._events: list[tuple[float, int, int, int, object]] = []
+        self._arrivals: list[tuple[float, int, int, int]] = []  # time, order, session, turn
+        self._step_ends: list[tuple[float, int, int, StepResult]] = []  # time, order, engine
+        self._follow_ups: list[tuple[float, str]] = []  # think time of in-flight turns' next
         self._order = 0
         self._on_request_done = on_request_done or (lambda: None)
-        self._session_index = {s.session_id: i for i, s in enumerate(workload.sessions)}
         self._idle_sessions = list(range(len(workload.sessions)))[::-1]
         self._shared_hashes = self._shared_prefix_hashes()
         self._event_seqs = [0] * config.replicas
-        self.shared_prefix_evictions = 0
 
     # ------------------------------------------------------------------ running
 
     def run(self) -> ReplayResult:
         self._start_sessions()
-        while self._events:
-            self.now, _, kind, index, payload = heapq.heappop(self._events)
-            if kind == _ARRIVE:
-                self._arrive(index, payload)  # type: ignore[arg-type]
+        arrivals, step_ends = self._arrivals, self._step_ends
+        while arrivals or step_ends:
+            if step_ends and (not arrivals or step_ends[0][0] <= arrivals[0][0]):
+                self.now, _, index, result = heapq.heappop(step_ends)
+                self._done(index, result)
             else:
-                self._done(index, payload)  # type: ignore[arg-type]
+                self.now, _, session_index, turn_index = heapq.heappop(arrivals)
+                self._arrive(session_index, turn_index)
         return ReplayResult(
             self.workload.name,
             self.policy.name,
@@ -136,17 +179,17 @@ class Simulation:
             [r.dispatched for r in self.replicas],
         )
 
-    def _push(self, time: float, kind: int, index: int, payload: object) -> None:
+    def _schedule_arrival(self, time: float, session_index: int, turn_index: int) -> None:
         self._order += 1
-        heapq.heappush(self._events, (time, self._order, kind, index, payload))
+        heapq.heappush(self._arrivals, (time, self._order, session_index, turn_index))
 
     def _start_sessions(self) -> None:
         if self.workload.arrival == "closed":
             for _ in range(min(self.workload.num_users, len(self._idle_sessions))):
-                self._push(0.0, _ARRIVE, self._idle_sessions.pop(), 0)
+                self._schedule_arrival(0.0, self._idle_sessions.pop(), 0)
             return
         for index, session in enumerate(self.workload.sessions):
-            self._push(session.start_time_s, _ARRIVE, index, 0)
+            self._schedule_arrival(session.start_time_s, index, 0)
         self._idle_sessions.clear()
 
     def _arrive(self, session_index: int, turn_index: int) -> None:
@@ -155,11 +198,13 @@ class Simulation:
         request_id = f"{session.session_id}/{turn_index}"
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        routing = RoutingRequest(request_id, len(prompt))
+        stride_hashes = block_hashes(prompt, self._stride_tokens, self._seed)
+        routing = RoutingRequest(request_id, len(prompt), stride_hashes)
         replica = self.policy.choose(routing, self.replicas)
         index = self.replicas.index(replica)
-        record = RequestRecord(request_id, index, self.now, len(prompt))
+        record = RequestRecord(request_id, session_index, turn_index, index, self.now, len(prompt))
         record.shared_prefix_tokens = session.shared_prefix_tokens
+        record.predicted_cached_tokens = routing.predicted_cached_tokens
         self.records[request_id] = record
         try:
             request = EngineRequest(request_id, prompt, turn.max_tokens, ignore_eos=True)
@@ -168,9 +213,10 @@ class Simulation:
             record.error = str(error)
             self._finish(session_index, turn_index)
             return
-        self._routing[request_id] = routing
+        self._in_flight[request_id] = (session_index, turn_index, routing)
+        self._note_follow_up(request_id, session_index, turn_index)
         replica.outstanding_requests += 1
-        replica.outstanding_prefill_tokens += len(prompt)
+        replica.outstanding_prefill_tokens += routing.predicted_uncached_tokens
         replica.dispatched += 1
         self.policy.on_dispatch(routing, replica)
         if not self._stepping[index]:
@@ -179,10 +225,11 @@ class Simulation:
 
     def _step(self, index: int) -> None:
         engine = self.engines[index]
-        result = engine.step()
+        result = engine.step(self.config.max_burst_steps, self._burst_deadline())
         self._stepping[index] = bool(result.duration_s)
         if result.duration_s:
-            self._push(engine.now, _DONE, index, result)
+            self._order += 1
+            heapq.heappush(self._step_ends, (engine.now, self._order, index, result))
         elif engine.has_unfinished:
             raise RuntimeError(f"engine {index} has requests but scheduled nothing")
 
@@ -190,18 +237,19 @@ class Simulation:
         replica = self.replicas[index]
         for output in result.outputs:
             record = self.records[output.request_id]
+            session_index, turn_index, routing = self._in_flight[output.request_id]
             if record.first_token_s is None:
                 record.first_token_s = self.now
-                replica.outstanding_prefill_tokens -= record.prompt_tokens
+                replica.outstanding_prefill_tokens -= routing.predicted_uncached_tokens
             if output.finished:
+                del self._in_flight[output.request_id]
                 record.finish_s = self.now
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
                 replica.outstanding_requests -= 1
-                self.policy.on_complete(self._routing.pop(output.request_id), replica)
-                session_index, turn_index = self._locate(output.request_id)
+                self.policy.on_complete(routing, replica)
                 self._finish(session_index, turn_index)
-        self._count_shared_evictions(index)
+        self._forward_kv_events(index)
         self._step(index)
 
     def _finish(self, session_index: int, turn_index: int) -> None:
@@ -212,13 +260,31 @@ class Simulation:
             return
         if turn_index + 1 < len(session.turns):
             think = session.turns[turn_index + 1].think_time_s
-            self._push(self.now + think, _ARRIVE, session_index, turn_index + 1)
+            self._schedule_arrival(self.now + think, session_index, turn_index + 1)
         elif self._idle_sessions:
-            self._push(self.now, _ARRIVE, self._idle_sessions.pop(), 0)
+            self._schedule_arrival(self.now, self._idle_sessions.pop(), 0)
 
-    def _locate(self, request_id: str) -> tuple[int, int]:
-        session_id, turn = request_id.rsplit("/", 1)
-        return self._session_index[session_id], int(turn)
+    # ------------------------------------------------------------- bursts
+
+    def _note_follow_up(self, request_id: str, session_index: int, turn_index: int) -> None:
+        """Remember how soon after it ends this request may cause another arrival."""
+        if self.workload.arrival == "trace":
+            return
+        turns = self.workload.sessions[session_index].turns
+        if turn_index + 1 < len(turns):
+            heapq.heappush(self._follow_ups, (turns[turn_index + 1].think_time_s, request_id))
+        elif self.workload.arrival == "closed" and self._idle_sessions:
+            heapq.heappush(self._follow_ups, (0.0, request_id))
+
+    def _burst_deadline(self) -> float | None:
+        """The earliest time a new request could be routed anywhere."""
+        follow_ups = self._follow_ups
+        while follow_ups and follow_ups[0][1] not in self._in_flight:
+            heapq.heappop(follow_ups)  # that request has ended
+        deadline = self._arrivals[0][0] if self._arrivals else float("inf")
+        if follow_ups:
+            deadline = min(deadline, self.now + follow_ups[0][0])
+        return deadline
 
     # ----------------------------------------------------- shared-prefix watch
 
@@ -240,25 +306,58 @@ class Simulation:
             hashes.update(block_hashes(prompt, self.config.block_size, seed))
         return hashes
 
-    def _count_shared_evictions(self, index: int) -> None:
-        if not self._shared_hashes:
-            return
+    def _forward_kv_events(self, index: int) -> None:
+        """Hand an engine's new KV events to the policy; watch for shared-prefix evictions."""
         cache = self.engines[index].cache
         if cache.last_event_seq == self._event_seqs[index]:
             return
         events, _ = cache.events_since(self._event_seqs[index])
         self._event_seqs[index] = cache.last_event_seq
+        self.policy.on_kv_events(self.replicas[index], events)
+        if not self._shared_hashes:
+            return
         for event in events:
             if event.kind == "removed":
-                self.shared_prefix_evictions += len(
-                    self._shared_hashes.intersection(event.block_hashes)
-                )
+                evicted = self._shared_hashes.intersection(event.block_hashes)
+                self.shared_prefix_evictions += len(evicted)
 
 
 def replay(
     workload: Workload,
     config: ReplayConfig,
     policy: str = "round_robin",
-    on_request_done: Callable[[], None] | None = None,
+    on_request_done: Callable[[], object] | None = None,
+    policy_config: PolicyConfig | None = None,
 ) -> ReplayResult:
-    return Simulation(workload, config, policy, on_request_done).run()
+    return Simulation(workload, config, policy, on_request_done, policy_config).run()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Hits an unlimited cache shared by the whole fleet would score: the reusable
+    fraction of the workload, for requests in the order they arrived."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    query_blocks: int
+    hit_blocks: int
+
+
+def infinite_cache_bound(workload: Workload, result: ReplayResult) -> Bound:
+    block_size = result.config.block_size
+    seed = identity_seed(result.config.model)
+    seen: set[int] = set()
+    prompt_tokens = cached_tokens = query_blocks = hit_blocks = 0
+    for record in sorted(result.records, key=lambda r: r.arrival_s):
+        turn = workload.sessions[record.session].turns[record.turn]
+        prompt = turn.prompt_token_ids
+        turn.forget_prompt()
+        hashes = block_hashes(prompt, block_size, seed)
+        limit = (len(prompt) - 1) // block_size  # an engine computes the last token
+        hits = next((i for i, h in enumerate(hashes[:limit]) if h not in seen), limit)
+        seen.update(hashes)
+        prompt_tokens += len(prompt)
+        cached_tokens += hits * block_size
+        query_blocks += len(hashes)
+        hit_blocks += hits
+    return Bound(prompt_tokens, cached_tokens, query_blocks, hit_blocks)

@@ -1,98 +1,188 @@
-"""``prefix-router replay``: replay a workload offline and print its figures."""
+"""``prefix-router replay``: compare routing policies offline, in virtual time.
+
+For every point of an optional sweep and every policy, replay the workload through
+simulated replicas, then add two reference rows: ``infinite_cache`` (the reusable
+fraction of the workload: an unlimited cache shared by the whole fleet) and
+``single_engine_Nx`` (one engine with the fleet's capacity and compute).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from deploy.cli import add_config_flags, config_overrides
-from loadtest.replay import ReplayConfig, replay
-from loadtest.report import Row, command_line, format_table, replay_row, write_json
+from loadtest import plots
+from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
+from loadtest.report import (
+    Row,
+    command_line,
+    format_table,
+    reference_row,
+    replay_row,
+    ttft_values,
+    write_json,
+)
 from loadtest.workloads import ChatConfig, Workload, load_workload
+from router.policies import POLICIES, PolicyConfig
 
+DEFAULT_POLICIES = "round_robin,power_of_two,sglang_cache_aware,cache_aware"
 #: Capacities of ``--sweep-capacity`` without values: from far too small to ample.
-DEFAULT_SWEEP = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_CAPACITY_SWEEP = "128,256,512,1024,2048,4096,8192,16384"
+#: A replica of the trace: Llama-3-8B on an 80 GB H100 keeps about 420k tokens of KV
+#: (80 GB x 0.9 - 16 GB of weights, at 128 KiB per token), 26k blocks of 16.
+TRACE_CAPACITY_BLOCKS = 26_000
+#: The chat workload's default load is per replica, so every fleet size runs at the
+#: utilisation the seed chapter's single engine sees.
+CHAT_SESSIONS_PER_REPLICA = ChatConfig().num_sessions
+CHAT_RATE_PER_REPLICA = ChatConfig().session_rate
+SWEEPABLE = {"replicas": "replicas", "capacity": "capacity_blocks"}
 
 TABLE_KEYS = (
-    "label", "replicas", "capacity_blocks", "requests", "block_hit_rate", "token_hit_rate",
-    "prefill_tokens_computed", "prefill_tokens_saved", "evictions", "shared_prefix_evictions",
-    "shared_prefix_hit_rate", "ttft_p50_s", "ttft_p99_s",
+    "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
+    "block_hit_rate", "fraction_of_bound", "prefill_tokens_computed", "prefill_tokens_saved",
+    "evictions", "shared_prefix_evictions", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+    "e2e_p50_s", "throughput_rps", "imbalance", "prediction_accuracy",
 )  # fmt: skip
 
 
 def add_replay_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "replay",
-        help="replay a workload through simulated replicas in virtual time",
+        help="compare routing policies on simulated replicas, in virtual time",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
-    parser.add_argument("--policies", default="round_robin", help="comma-separated policy names")
+    parser.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})",
+    )
+    parser.add_argument(
+        "--sweep",
+        metavar="NAME=V1,V2,...",
+        help="rows for several values of replicas or capacity, e.g. replicas=1,2,4,8",
+    )
     parser.add_argument(
         "--sweep-capacity",
         nargs="?",
-        const=",".join(map(str, DEFAULT_SWEEP)),
+        const=DEFAULT_CAPACITY_SWEEP,
         metavar="BLOCKS,...",
-        help=f"one row per capacity (default list: {','.join(map(str, DEFAULT_SWEEP))})",
+        help=f"same as --sweep capacity=... (default list: {DEFAULT_CAPACITY_SWEEP})",
     )
     parser.add_argument("--limit", type=int, help="replay only the first N trace requests")
-    parser.add_argument(
-        "--json", metavar="PATH", help="write the rows as JSON (DESIGN.md section 7)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference rows")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md sec. 7)")
+    parser.add_argument("--out", metavar="DIR", help="write report.md, report.json and PNG charts")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_config_flags(parser, ReplayConfig)
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
+    add_config_flags(parser, PolicyConfig, prefix="policy-", skip=("block_size",))
     parser.set_defaults(run=run_replay)
 
 
-def _workload(args: argparse.Namespace) -> Workload:
-    overrides = config_overrides(args, ChatConfig, prefix="chat_")
-    if args.workload == "chat":
-        overrides["seed"] = args.seed
-    elif args.limit is not None:
-        overrides = {"limit": args.limit}
-    else:
-        overrides = {}
-    return load_workload(args.workload, overrides)
+# ------------------------------------------------------------------- set-up
 
 
-def _capacities(args: argparse.Namespace) -> list[int]:
-    if not args.sweep_capacity:
-        return [args.capacity_blocks]
+def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int]]:
+    spec = args.sweep or (f"capacity={args.sweep_capacity}" if args.sweep_capacity else None)
+    if spec is None:
+        return None, []
+    name, _, values = spec.partition("=")
+    if name not in SWEEPABLE:
+        raise ValueError(f"--sweep takes replicas=... or capacity=..., got {spec!r}")
     try:
-        return [int(value) for value in args.sweep_capacity.split(",")]
+        return SWEEPABLE[name], [int(v) for v in values.split(",") if v]
     except ValueError:
-        raise ValueError(
-            f"--sweep-capacity takes whole numbers, got {args.sweep_capacity!r}"
-        ) from None
+        raise ValueError(f"--sweep values must be whole numbers, got {values!r}") from None
+
+
+def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
+    overrides = config_overrides(args, ReplayConfig)
+    if args.workload.startswith("trace:"):
+        overrides.setdefault("capacity_blocks", TRACE_CAPACITY_BLOCKS)
+    base = ReplayConfig(**overrides)
+    key, values = _sweep(args)
+    if key is None:
+        return None, [base]
+    return key, [
+        dataclasses.replace(base, **cast(dict[str, Any], {key: value})) for value in values
+    ]
+
+
+def _workload_loader(args: argparse.Namespace) -> Callable[[int], Workload]:
+    """Workloads by fleet size (chat load is per replica unless given), built once each."""
+    built: dict[int, Workload] = {}
+
+    def load(replicas: int) -> Workload:
+        if args.workload != "chat":
+            replicas = 0  # traces do not scale
+        if replicas not in built:
+            built[replicas] = load_workload(args.workload, _workload_overrides(args, replicas))
+        return built[replicas]
+
+    return load
+
+
+def _workload_overrides(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+    if args.workload != "chat":
+        return {} if args.limit is None else {"limit": args.limit}
+    overrides = config_overrides(args, ChatConfig, prefix="chat_")
+    overrides.setdefault("num_sessions", CHAT_SESSIONS_PER_REPLICA * replicas)
+    overrides.setdefault("session_rate", CHAT_RATE_PER_REPLICA * replicas)
+    overrides["seed"] = args.seed if args.seed is not None else ReplayConfig().seed
+    return overrides
+
+
+def _policy_config(args: argparse.Namespace, config: ReplayConfig) -> PolicyConfig:
+    overrides = config_overrides(args, PolicyConfig, prefix="policy_")
+    return dataclasses.replace(config.policy_config(), **overrides)
+
+
+# ------------------------------------------------------------------- running
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    workload = _workload(args)
-    base = ReplayConfig(**config_overrides(args, ReplayConfig))
     policies = [p for p in args.policies.split(",") if p]
-    runs = [(policy, capacity) for capacity in _capacities(args) for policy in policies]
-    rows = [
-        _replay_one(workload, dataclasses.replace(base, capacity_blocks=c), p, args)
-        for p, c in runs
-    ]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    sweep_key, configs = _configs(args)
+    load = _workload_loader(args)
+    rows: list[Row] = []
+    ttfts: dict[str, list[float]] = {}
+    for config in configs:
+        workload = load(config.replicas)
+        results = []
+        for policy in policies:
+            label = f"{policy} @ {sweep_key}={getattr(config, sweep_key)}" if sweep_key else policy
+            result = _run(workload, config, policy, label, args)
+            results.append(result)
+            rows.append(replay_row(result, label))
+            ttfts[label] = ttft_values(result)
+        if not args.no_reference:
+            rows += _reference_rows(workload, config, results[0], sweep_key, args)
+        _relate_to_bound(rows[-len(policies) - (0 if args.no_reference else 2) :])
     print(format_table(rows, TABLE_KEYS))
+    meta = {"seed": configs[0].seed, "command": command_line(), "version": _version()}
     if args.json:
-        meta = {"seed": base.seed, "command": command_line(), "version": _version()}
         write_json(args.json, rows, meta)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.out:
+        _write_report(Path(args.out), rows, ttfts, sweep_key, meta)
     return 0
 
 
-def _replay_one(
-    workload: Workload, config: ReplayConfig, policy: str, args: argparse.Namespace
-) -> Row:
-    label = f"{policy} @ {config.capacity_blocks} blocks" if args.sweep_capacity else policy
+def _run(
+    workload: Workload, config: ReplayConfig, policy: str, label: str, args: argparse.Namespace
+) -> ReplayResult:
     with tqdm(
         total=workload.num_requests,
         desc=label,
@@ -101,8 +191,78 @@ def _replay_one(
         file=sys.stderr,
         leave=False,
     ) as bar:
-        result = replay(workload, config, policy, on_request_done=lambda: bar.update())
-    return replay_row(result, label)
+        return replay(
+            workload, config, policy, bar.update, policy_config=_policy_config(args, config)
+        )
+
+
+def _reference_rows(
+    workload: Workload,
+    config: ReplayConfig,
+    first: ReplayResult,
+    sweep_key: str | None,
+    args: argparse.Namespace,
+) -> list[Row]:
+    suffix = f" @ {sweep_key}={getattr(config, sweep_key)}" if sweep_key else ""
+    template = replay_row(first)
+    bound = infinite_cache_bound(workload, first)
+    rows = [
+        reference_row(
+            "infinite_cache" + suffix,
+            template,
+            bound.prompt_tokens,
+            bound.cached_tokens,
+            block_hit_rate=bound.hit_blocks / bound.query_blocks if bound.query_blocks else None,
+        )
+    ]
+    if config.replicas > 1:
+        label = f"single_engine_{config.replicas}x" + suffix
+        pooled = _run(workload, config.pooled(), "round_robin", label, args)
+        row = replay_row(pooled, label)
+        row.update(policy=None, replicas=config.replicas, capacity_blocks=config.capacity_blocks)
+        rows.append(row)
+    return rows
+
+
+def _relate_to_bound(rows: list[Row]) -> None:
+    """Each row's token hit rate as a fraction of the infinite-cache bound."""
+    bound = next((r for r in rows if r["label"].startswith("infinite_cache")), None)
+    if bound is None or not bound["token_hit_rate"]:
+        return
+    for row in rows:
+        if row["token_hit_rate"] is not None:
+            row["fraction_of_bound"] = row["token_hit_rate"] / bound["token_hit_rate"]
+
+
+def _write_report(
+    out: Path, rows: list[Row], ttfts: dict[str, list[float]], sweep_key: str | None, meta: dict
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "report.json", rows, meta)
+    charts = ["hit_rate.png", "ttft.png", "load.png"]
+    plots.hit_rate_chart(rows, out / charts[0])
+    plots.ttft_chart(ttfts, out / charts[1])
+    plots.load_chart(rows, out / charts[2])
+    if sweep_key:
+        charts.append("sweep.png")
+        plots.sweep_chart(rows, sweep_key, out / charts[-1])
+    lines = [
+        "# prefix-router replay",
+        "",
+        f"`{meta['command']}` (seed {meta['seed']}, version {meta['version']})",
+        "",
+        format_table(rows, TABLE_KEYS),
+        "",
+        "Rates are fractions of prompt tokens (blocks); `fraction_of_bound` is the token hit",
+        "rate over the infinite-cache bound; `imbalance` is the busiest replica's requests",
+        "over the mean; `prediction_accuracy` is the share of requests whose predicted",
+        "cached tokens were within one router stride of the engine's figure.",
+        "",
+        *(f"![{name}]({name})" for name in charts),
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+    print(f"wrote {out / 'report.md'}", file=sys.stderr)
 
 
 def _version() -> str:
@@ -112,9 +272,3 @@ def _version() -> str:
         return version("prefix-router")
     except PackageNotFoundError:
         return "unknown"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from deploy.cli import main as cli_main
-
-    return cli_main(["replay", *(argv or [])])

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.replay import ReplayResult
+from loadtest.replay import ReplayResult, RequestRecord
 
 Row = dict[str, Any]
 
@@ -35,15 +35,13 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
     """The figures of one replay; engine statistics for hits, records for latency."""
     records = result.records
     done = [r for r in records if r.finish_s is not None]
-    ttfts = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    ttfts = ttft_values(result)
     e2e = [r.finish_s - r.arrival_s for r in done if r.finish_s is not None]
     stats = [engine.cache_stats for engine in result.engines]
     query_tokens = sum(s.query_tokens for s in stats)
     hit_tokens = sum(s.hit_tokens for s in stats)
     query_blocks = sum(s.query_blocks for s in stats)
     dispatched = np.array(result.dispatched or [0])
-    shared = [r for r in done if r.shared_prefix_tokens]
-    block_size = result.config.block_size
     return {
         "label": label or result.policy,
         "policy": result.policy,
@@ -63,21 +61,67 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "e2e_p50_s": _percentile(e2e, 50),
         "throughput_rps": len(done) / result.duration_s if result.duration_s else None,
         "imbalance": float(dispatched.max() / dispatched.mean()) if dispatched.sum() else None,
-        "prediction_accuracy": None,
+        "prediction_accuracy": _prediction_accuracy(
+            done, result.config.block_size * result.config.stride
+        ),
         "prefill_tokens_computed": sum(int(e.prefill_tokens_computed) for e in result.engines),
         "prefill_tokens_saved": hit_tokens,
         "preemptions": sum(e.scheduler.num_preemptions for e in result.engines),
         "shared_prefix_evictions": result.shared_prefix_evictions,
-        "shared_prefix_hit_rate": (
-            sum(
-                r.cached_tokens >= r.shared_prefix_tokens // block_size * block_size for r in shared
-            )
-            / len(shared)
-            if shared
-            else None
-        ),
+        "shared_prefix_hit_rate": _shared_prefix_hit_rate(done, result.config.block_size),
+        "requests_per_replica": [int(n) for n in dispatched],
         "duration_s": result.duration_s,
     }
+
+
+def ttft_values(result: ReplayResult) -> list[float]:
+    return [
+        r.first_token_s - r.arrival_s
+        for r in result.records
+        if r.first_token_s is not None and r.finish_s is not None
+    ]
+
+
+def _prediction_accuracy(done: Sequence[RequestRecord], tolerance: int) -> float | None:
+    """Share of requests whose predicted cached tokens came within one stride of the
+    engine's figure (the router sees prefixes in strides); ``None`` if nothing predicted."""
+    predicted = [r for r in done if r.predicted_cached_tokens is not None]
+    if not predicted:
+        return None
+    close = sum(abs(r.predicted_cached_tokens - r.cached_tokens) < tolerance for r in predicted)  # type: ignore[operator]
+    return close / len(predicted)
+
+
+def _shared_prefix_hit_rate(done: Sequence[RequestRecord], block_size: int) -> float | None:
+    """Share of requests that found their whole shared prefix (system prompt) cached."""
+    shared = [r for r in done if r.shared_prefix_tokens]
+    if not shared:
+        return None
+    whole = sum(
+        r.cached_tokens >= r.shared_prefix_tokens // block_size * block_size for r in shared
+    )
+    return whole / len(shared)
+
+
+def reference_row(
+    label: str, template: Row, prompt_tokens: int, cached_tokens: int, **figures: Any
+) -> Row:
+    """A row for a bound (such as ``infinite_cache``): unknown figures are ``None``."""
+    row: Row = dict.fromkeys(template)
+    row.update(
+        label=label,
+        policy=None,
+        workload=template["workload"],
+        replicas=template["replicas"],
+        capacity_blocks=template["capacity_blocks"],
+        requests=template["requests"],
+        failures=0,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        token_hit_rate=cached_tokens / prompt_tokens if prompt_tokens else None,
+    )
+    row.update(figures)
+    return row
 
 
 def _cell(value: Any, key: str) -> str:

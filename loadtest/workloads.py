@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -205,15 +205,18 @@ def _chat_prompt(
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash ids each stand for 512 tokens
 
 
+@lru_cache(maxsize=1 << 16)
 def trace_block_tokens(hash_id: int, num_tokens: int = TRACE_BLOCK_TOKENS) -> np.ndarray:
-    """The deterministic token ids of one trace hash id (a SplitMix64 stream)."""
+    """The deterministic token ids of one trace hash id (a SplitMix64 stream); read-only."""
     x = np.arange(num_tokens, dtype=np.uint64) + np.uint64(hash_id) * np.uint64(TRACE_BLOCK_TOKENS)
     with np.errstate(over="ignore"):
         x = (x + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
         x ^= x >> np.uint64(31)
         x *= np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(29)
-    return (x & np.uint64(0xFFFFFFFF)).astype(TOKEN_DTYPE)
+    tokens = (x & np.uint64(0xFFFFFFFF)).astype(TOKEN_DTYPE)
+    tokens.flags.writeable = False  # shared by every prompt that holds this hash id
+    return tokens
 
 
 def trace_prompt(hash_ids: Sequence[int], input_length: int) -> np.ndarray:

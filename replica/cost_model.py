@@ -60,18 +60,30 @@ class CostProfile:
 
     def step_time(self, batch: BatchShape) -> float:
         """Seconds of GPU time for ``batch``; 0 for an empty batch."""
-        tokens = batch.num_tokens
-        if tokens == 0:
+        if batch.num_tokens == 0:
             return 0.0
-        attention_pairs = batch.prefill_attention_pairs + batch.decode_context_tokens
+        return self._time(
+            batch.num_tokens,
+            batch.num_seqs,
+            batch.prefill_attention_pairs + batch.decode_context_tokens,
+            batch.decode_context_tokens,
+        )
+
+    def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
+        """Durations of ``num_steps`` decode-only steps; every step adds a token per sequence."""
+        return [
+            self._time(num_seqs, num_seqs, context, context)
+            for context in range(context_tokens, context_tokens + num_steps * num_seqs, num_seqs)
+        ]
+
+    def _time(self, tokens: int, seqs: int, attention_pairs: float, kv_read_tokens: int) -> float:
         flops = (
             2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attention_pairs
         )
         compute_s = flops / (self.peak_flops * self.compute_efficiency)
-        kv_read = self.kv_bytes_per_token * batch.decode_context_tokens
+        kv_read = self.kv_bytes_per_token * kv_read_tokens
         memory_s = (self.weight_bytes + kv_read) / (self.hbm_bytes_per_s * self.memory_efficiency)
-        overhead_s = self.step_overhead_s + self.seq_overhead_s * batch.num_seqs
-        return overhead_s + max(compute_s, memory_s)
+        return self.step_overhead_s + self.seq_overhead_s * seqs + max(compute_s, memory_s)
 
 
 def _llama3_kv_bytes(num_layers: int) -> int:

@@ -36,6 +36,9 @@ class EngineConfig:
     #: Chance that the toy model ends a reply at each token, unless the request
     #: ignores EOS; 1/256 gives replies of 256 tokens on average.
     eos_probability: float = 1 / 256
+    #: How many times faster than the profile's GPU this engine computes (reference
+    #: rows use it to stand for a whole fleet's compute in one engine).
+    compute_scale: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError("num_blocks and block_size must be positive")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must lie in [0, 1]")
+        if self.compute_scale <= 0:
+            raise ValueError("compute_scale must be positive")
         get_profile(self.profile)
 
     @property
@@ -65,9 +70,13 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one call to :meth:`Engine.step` did: ``num_steps`` iterations (1 unless a
+    decode burst), their total duration, and per request the tokens produced."""
+
     duration_s: float
     outputs: list[RequestOutput]
     batch: BatchShape
+    num_steps: int = 1
 
 
 # The toy model's vocabulary: consonant-vowel-consonant words and a space, so that a
@@ -146,11 +155,22 @@ class Engine:
         """Let virtual time pass while idle (the clock never goes backwards)."""
         self.now = max(self.now, now)
 
-    def step(self) -> StepResult:
-        """Run one iteration; an idle engine returns an empty result of zero duration."""
+    def step(self, max_steps: int = 1, deadline: float | None = None) -> StepResult:
+        """Run one iteration; an idle engine returns an empty result of zero duration.
+
+        With ``max_steps`` > 1, a batch of decodes only (nothing waiting, no prefill)
+        runs up to that many iterations at once, ending early when a request finishes
+        or when the next iteration would end after ``deadline`` (virtual time): the
+        same tokens and times as single steps, for callers (the offline replayer) that
+        look only at first tokens and completions.
+        """
+        if max_steps > 1:
+            burst = self._decode_burst(max_steps, deadline)
+            if burst is not None:
+                return burst
         chunks = self.scheduler.schedule()
         batch = batch_shape(chunks)
-        duration = self.cost.step_time(batch)
+        duration = self.cost.step_time(batch) / self.config.compute_scale
         self.now += duration
         self.busy_s += duration
         self.num_steps += bool(chunks)
@@ -165,13 +185,17 @@ class Engine:
             return None  # a prefill chunk that did not reach the end of the prompt
         token = self._sample(seq)
         seq.append_token(token)
-        reason = self._stop_reason(seq, token)
+        return self._output(seq, [token])
+
+    def _output(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Report new tokens; finish the request if the last one ends it."""
+        reason = self._stop_reason(seq, tokens[-1])
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=tokens,
             finished=reason is not None,
             finish_reason=reason.value if reason else None,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -179,10 +203,56 @@ class Engine:
             num_output_tokens=len(seq.output_token_ids),
         )
 
+    def _decode_burst(self, max_steps: int, deadline: float | None) -> StepResult | None:
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.waiting or not running or any(s.num_uncomputed_tokens != 1 for s in running):
+            return None
+        steps = min(max_steps, *(s.request.max_tokens - len(s.output_token_ids) for s in running))
+        drawn = {seq.request_id: self._draw_tokens(seq, steps) for seq in running}
+        steps = min(len(tokens) for tokens in drawn.values())  # a reply ended with EOS
+        context = sum(s.num_computed_tokens + 1 for s in running)
+        scale = self.config.compute_scale
+        durations = [d / scale for d in self.cost.decode_step_times(len(running), context, steps)]
+        if deadline is not None:
+            elapsed = self.now
+            for index, duration in enumerate(durations):
+                elapsed += duration
+                if elapsed > deadline and index:
+                    steps = index
+                    break
+        if steps < 2 or not scheduler.grow_all(steps):
+            return None
+        duration = sum(durations[:steps])
+        self.now += duration
+        self.busy_s += duration
+        self.num_steps += steps
+        batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
+        outputs = [self._advance_by(seq, drawn[seq.request_id][:steps]) for seq in list(running)]
+        return StepResult(duration, outputs, batch, steps)
+
+    def _draw_tokens(self, seq: Sequence, count: int) -> list[int]:
+        """The next ``count`` tokens of ``seq``, cut after an EOS it does not ignore."""
+        first = len(seq.output_token_ids)
+        tokens = [self._sample_at(seq, first + i) for i in range(count)]
+        eos = self.tokenizer.eos_token_id
+        if not seq.request.ignore_eos and eos in tokens:
+            del tokens[tokens.index(eos) + 1 :]
+        return tokens
+
+    def _advance_by(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Apply a burst: ``len(tokens)`` decode iterations of ``seq``."""
+        computed = seq.num_computed_tokens
+        seq.append_tokens(tokens)
+        self.scheduler.commit(ScheduledChunk(seq, computed, len(tokens)))
+        return self._output(seq, tokens)
+
     def _sample(self, seq: Sequence) -> int:
+        return self._sample_at(seq, len(seq.output_token_ids))
+
+    def _sample_at(self, seq: Sequence, index: int) -> int:
         """A token that depends only on the seed, the request id and the position."""
-        position = len(seq.output_token_ids).to_bytes(4, "little")
-        draw = xxhash.xxh3_64_intdigest(position, seed=seq.sample_seed)
+        draw = xxhash.xxh3_64_intdigest(index.to_bytes(4, "little"), seed=seq.sample_seed)
         if not seq.request.ignore_eos and (draw >> 40) < self.config.eos_probability * (1 << 24):
             return self.tokenizer.eos_token_id
         return VOCABULARY[draw % len(VOCABULARY)]

@@ -46,6 +46,7 @@ class Block:
     num_children: int = 0
     token_bytes: bytes = b""
     last_used: int = 0
+    depth: int = 0  # position in its prompt, in blocks (0 for the first block)
 
     @property
     def is_cached(self) -> bool:
@@ -61,12 +62,18 @@ EventKind = Literal["stored", "removed", "cleared"]
 
 @dataclass(frozen=True, slots=True)
 class KVEvent:
-    """A change to the set of cached identities, as vLLM's KV events publish them."""
+    """A change to the set of cached identities, as vLLM's KV events publish them.
+
+    ``block_depths`` (ours; empty from engines that do not send it) gives each
+    block's position in its prompt, so a router that indexes only every k-th block
+    boundary can ignore the others.
+    """
 
     seq: int
     kind: EventKind
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None
+    block_depths: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -197,31 +204,52 @@ class PrefixCache:
             block.ref_count = 1
         return blocks
 
-    def cache_block(
-        self, block: Block, block_hash: int, parent: Block | None, token_bytes: bytes
-    ) -> Block | None:
-        """Register a full block that the caller pins; return the block to keep using.
+    def cache_blocks(
+        self,
+        block_table: list[Block],
+        start: int,
+        stop: int,
+        block_hashes: Sequence[int],
+        token_bytes: bytes | bytearray,
+    ) -> int:
+        """Register the full blocks ``block_table[start:stop]``; return how many were.
 
-        If the identity is already cached with the same tokens (another request
-        computed it meanwhile), the caller's copy is released and the cached block,
-        now pinned, is returned in its place. If it is cached with other tokens (a
-        hash collision), nothing is registered and ``None`` is returned: the caller
-        keeps its private block and must cache none of the blocks after it.
+        The caller pins every block of ``block_table``; ``block_hashes[i]`` and the
+        ``i``-th block of ``token_bytes`` (the request's tokens from the start) are
+        the identity and the tokens of ``block_table[i]``, whose parent is the entry
+        before it. If an identity is already cached with the same tokens (another
+        request computed it meanwhile), the caller's copy is released and the cached
+        block, now pinned, takes its place in ``block_table``. If it is cached with
+        other tokens (a hash collision), registration stops there: that block and
+        those after it stay private, and the count returned is short.
         """
-        existing = self._cached.get(block_hash)
-        if existing is not None:
-            if existing.token_bytes != token_bytes:
-                return None
-            self.acquire((existing,))
-            self.release((block,))
-            return existing
-        block.block_hash, block.parent, block.token_bytes = block_hash, parent, token_bytes
-        self._cached[block_hash] = block
-        if parent is not None:
-            parent.num_children += 1
-        self.stats.stored_blocks += 1
-        self._log("stored", (block_hash,), parent.block_hash if parent else None)
-        return block
+        step = self.block_size * TOKEN_DTYPE.itemsize
+        cached, stored, depths = self._cached, [], []
+        for index in range(start, stop):
+            block_hash, block = block_hashes[index], block_table[index]
+            tokens = bytes(token_bytes[index * step : (index + 1) * step])
+            existing = cached.get(block_hash)
+            if existing is not None:
+                if existing.token_bytes != tokens:
+                    stop = index
+                    break
+                self.acquire((existing,))
+                self.release((block,))
+                block_table[index] = existing
+                continue
+            parent = block_table[index - 1] if index else None
+            block.block_hash, block.parent, block.token_bytes = block_hash, parent, tokens
+            block.depth = index
+            cached[block_hash] = block
+            if parent is not None:
+                parent.num_children += 1
+            stored.append(block_hash)
+            depths.append(index)
+        if stored:
+            self.stats.stored_blocks += len(stored)
+            first = block_table[start - 1] if start else None
+            self._log("stored", tuple(stored), first.block_hash if first else None, tuple(depths))
+        return stop - start
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Unpin blocks; pass a request's blocks tail first so leaves age before parents."""
@@ -267,32 +295,49 @@ class PrefixCache:
 
     def _evict(self, num_blocks: int) -> None:
         removed: list[int] = []
+        depths: list[int] = []
+        candidates = self._candidates
+        victim: Block | None = None
         while len(removed) < num_blocks:
-            stamp, block = heapq.heappop(self._candidates)
-            if block.last_used != stamp or not block.is_evictable:
-                continue  # stale: the block was hit, gained a child, or was evicted
-            block_hash, parent = block.block_hash, block.parent
-            assert block_hash is not None  # evictable blocks are cached
-            removed.append(block_hash)
-            del self._cached[block_hash]
-            self._forget(block)
+            if victim is None:
+                stamp, victim = heapq.heappop(candidates)
+                if victim.last_used != stamp or not victim.is_evictable:
+                    victim = None  # stale: the block was hit, gained a child, or was evicted
+                    continue
+            block_hash, parent = victim.block_hash, victim.parent
+            removed.append(block_hash)  # type: ignore[arg-type]  # evictable means cached
+            depths.append(victim.depth)
+            del self._cached[block_hash]  # type: ignore[arg-type]
+            victim.block_hash, victim.parent, victim.token_bytes = None, None, b""
             self._num_idle -= 1
-            self._free.append(block)
+            self._free.append(victim)
+            victim = None
             if parent is not None:
                 parent.num_children -= 1
                 if parent.is_evictable:
-                    self._make_candidate(parent)
+                    # A parent that became a leaf older than every candidate is the next
+                    # victim: take it directly rather than push and pop it.
+                    if not candidates or parent.last_used < candidates[0][0]:
+                        victim = parent
+                    else:
+                        self._make_candidate(parent)
+        if victim is not None:
+            self._make_candidate(victim)  # the chain went on past what was needed
         self.stats.evictions += len(removed)
-        self._log("removed", tuple(removed))
+        self._log("removed", tuple(removed), None, tuple(depths))
 
     @staticmethod
     def _forget(block: Block) -> None:
         block.block_hash, block.parent, block.num_children, block.token_bytes = None, None, 0, b""
 
     def _log(
-        self, kind: EventKind, hashes: tuple[int, ...] = (), parent: int | None = None
+        self,
+        kind: EventKind,
+        hashes: tuple[int, ...] = (),
+        parent: int | None = None,
+        depths: tuple[int, ...] = (),
     ) -> None:
-        self._events.append(KVEvent(self._next_seq, kind, hashes, parent))
+        self._events.append(KVEvent(self._next_seq, kind, hashes, parent, depths))
         self._next_seq += 1
         if len(self._events) >= 2 * self.max_events:
             del self._events[: self.max_events]  # amortised O(1) per event

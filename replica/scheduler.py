@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from replica.prefix_cache import Block, PrefixCache
 from replica.sequence import FinishReason, Sequence, Status
-from replica.tokenizer import TOKEN_DTYPE
 
 
 @dataclass(frozen=True)
@@ -133,6 +132,19 @@ class Scheduler:
         seq.block_table += self.cache.allocate(missing)
         return True
 
+    def grow_all(self, num_steps: int) -> bool:
+        """Give every running request blocks for ``num_steps`` more decode tokens, or none."""
+        missing = [
+            self._blocks_for(seq.num_computed_tokens + num_steps) - len(seq.block_table)
+            for seq in self.running
+        ]
+        if not self.cache.can_allocate(sum(m for m in missing if m > 0)):
+            return False
+        for seq, count in zip(self.running, missing, strict=True):
+            if count > 0:
+                seq.block_table += self.cache.allocate(count)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
         seq.num_computed_tokens = 0
@@ -151,21 +163,14 @@ class Scheduler:
         seq = chunk.seq
         seq.num_computed_tokens = chunk.num_computed + chunk.num_tokens
         num_full = min(seq.num_computed_tokens // self.cache.block_size, len(seq.block_hashes))
-        while seq.cacheable and seq.num_cached_blocks < num_full:
-            self._cache_block(seq, seq.num_cached_blocks)
-
-    def _cache_block(self, seq: Sequence, index: int) -> None:
-        step = self.cache.block_size * TOKEN_DTYPE.itemsize
-        parent = seq.block_table[index - 1] if index else None
-        token_bytes = bytes(seq.token_bytes[index * step : (index + 1) * step])
-        kept = self.cache.cache_block(
-            seq.block_table[index], seq.block_hashes[index], parent, token_bytes
-        )
-        if kept is None:
-            seq.cacheable = False  # a hash collision: keep this block private, cache no more
+        if not seq.cacheable or seq.num_cached_blocks >= num_full:
             return
-        seq.block_table[index] = kept
-        seq.num_cached_blocks += 1
+        done = self.cache.cache_blocks(
+            seq.block_table, seq.num_cached_blocks, num_full, seq.block_hashes, seq.token_bytes
+        )
+        seq.num_cached_blocks += done
+        if seq.num_cached_blocks < num_full:
+            seq.cacheable = False  # a hash collision: that block stays private, and those after
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Free a request's blocks and drop it from whichever queue holds it."""

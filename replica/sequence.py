@@ -80,6 +80,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Append several tokens at once (a decode burst)."""
+        raw = np.array(token_ids, dtype=TOKEN_DTYPE).tobytes()
+        self.output_token_ids += token_ids
+        self.token_bytes += raw
+        self.num_tokens += len(token_ids)
+        self.block_hashes += self.hasher.extend_bytes(raw)
+
     def append_token(self, token_id: int) -> None:
         raw = token_id.to_bytes(TOKEN_DTYPE.itemsize, "little")
         self.output_token_ids.append(token_id)

@@ -1,22 +1,34 @@
 """Routing policies, chosen by name from a registry.
 
 A policy is a small class: ``choose(request, replicas)`` returns one of the
-replicas, and ``on_dispatch`` / ``on_complete`` let it keep its own state. The
-clock and the random generator are passed in, never global.
+replicas; ``on_dispatch`` and ``on_complete`` keep its state. The router counts each
+replica's load at dispatch and releases it on completion, error or abort (see
+:class:`ReplicaState`); cache-aware policies also set the request's predicted cached
+tokens, so prediction accuracy can be measured. The clock and the random generator
+are passed in, never global.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
+import xxhash
+
+from router.prefix_index import IndexConfig, PrefixIndex
+
+Clock = Callable[[], float]
 
 
-@dataclass
+@dataclass(eq=False)
 class ReplicaState:
-    """What the router knows of one replica; load is counted at dispatch and completion."""
+    """What the router knows of one replica.
+
+    ``outstanding_prefill_tokens`` counts the tokens its dispatched requests still have
+    to prefill (their predicted uncached part), until their first token arrives.
+    """
 
     replica_id: str
     capacity_blocks: int = 0
@@ -25,13 +37,48 @@ class ReplicaState:
     dispatched: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class RoutingRequest:
-    """A request as the router sees it: its length and its leading block identities."""
+    """A request as the router sees it: its length and its leading block identities.
+
+    ``stride_hashes`` are the identities at every ``stride``-th block boundary.
+    ``predicted_cached_tokens`` is set by a cache-aware policy's ``choose``.
+    """
 
     request_id: str
     num_prompt_tokens: int
-    block_hashes: Sequence[int] = field(default=(), repr=False)
+    stride_hashes: Sequence[int] = field(default=(), repr=False)
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def predicted_uncached_tokens(self) -> int:
+        return self.num_prompt_tokens - (self.predicted_cached_tokens or 0)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of every policy; each reads the ones it needs."""
+
+    block_size: int = 16
+    index: IndexConfig = field(default_factory=IndexConfig)
+    #: cache_aware: prefill tokens one running request weighs, to put queued prefill
+    #: and running sequences in one unit (its decode steps slow the replica's batch).
+    running_request_tokens: float = 256.0
+    #: cache_aware: a cold prefix may go to any replica within this much work of the
+    #: least loaded; among them the rendezvous choice wins, so routers agree.
+    cold_slack_tokens: float = 512.0
+    #: sglang_cache_aware: SGLang router's defaults.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    #: SGLang's tree holds up to 2**26 characters per worker (about 4 per token).
+    sglang_max_tree_tokens: int = 2**26 // 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("cache_threshold must lie in [0, 1]")
+        if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
+            raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
 
 
 class Policy:
@@ -39,7 +86,8 @@ class Policy:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, clock: Callable[[], float], rng: np.random.Generator) -> None:
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        self.config = config
         self.clock = clock
         self.rng = rng
 
@@ -52,14 +100,33 @@ class Policy:
     def on_complete(self, request: RoutingRequest, replica: ReplicaState) -> None:
         """Called when the request ends, whether it finished, failed or was aborted."""
 
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        """Called when a replica joins the fleet."""
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        """Called when a replica leaves: forget everything about it."""
+
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[object]) -> None:
+        """Called with a replica's KV events (precise cache-aware routing uses them)."""
+
+    def _least_loaded(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        low = min(r.outstanding_requests for r in replicas)
+        return self._pick([r for r in replicas if r.outstanding_requests == low])
+
+    def _pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        return replicas[int(self.rng.integers(len(replicas)))] if len(replicas) > 1 else replicas[0]
+
+
+# ------------------------------------------------------------------ baselines
+
 
 class RoundRobin(Policy):
     """Each replica in turn, blind to cache and load: the baseline to beat."""
 
     name = "round_robin"
 
-    def __init__(self, clock: Callable[[], float], rng: np.random.Generator) -> None:
-        super().__init__(clock, rng)
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
         self._next = 0
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
@@ -68,11 +135,209 @@ class RoundRobin(Policy):
         return replica
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (RoundRobin,)}
+class Random(Policy):
+    name = "random"
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        return self._pick(replicas)
 
 
-def make_policy(name: str, clock: Callable[[], float], rng: np.random.Generator) -> Policy:
+class LeastLoaded(Policy):
+    """Fewest outstanding requests, ties at random."""
+
+    name = "least_loaded"
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        return self._least_loaded(replicas)
+
+
+class PowerOfTwo(Policy):
+    """Two replicas at random, the less loaded wins (as Ray Serve's default router)."""
+
+    name = "power_of_two"
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        if len(replicas) < 3:
+            return self._least_loaded(replicas)
+        first, second = self.rng.choice(len(replicas), 2, replace=False)
+        return self._least_loaded([replicas[int(first)], replicas[int(second)]])
+
+
+def rendezvous_key(request: RoutingRequest) -> bytes:
+    """What rendezvous hashing hashes: the first block's identity, else the request id."""
+    if request.stride_hashes:
+        return request.stride_hashes[0].to_bytes(8, "little")
+    return request.request_id.encode()
+
+
+def rendezvous(key: bytes, replicas: Sequence[ReplicaState]) -> ReplicaState:
+    """Highest random weight: every router picks the same replica for the same key,
+    and removing a replica moves only the keys it held."""
+    return max(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.replica_id.encode()))
+
+
+class ConsistentHash(Policy):
+    """Rendezvous hashing on the first block: sticky, stateless, blind to load."""
+
+    name = "consistent_hash"
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        return rendezvous(rendezvous_key(request), replicas)
+
+
+# --------------------------------------------------------------- cache-aware
+
+
+class _Indexed(Policy):
+    """A policy with a prefix index that it feeds with its decisions and KV events."""
+
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
+        self.index = PrefixIndex(self._index_config(config), config.block_size, clock)
+
+    def _index_config(self, config: PolicyConfig) -> IndexConfig:
+        return config.index
+
+    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        self.index.record_routing(replica.replica_id, request.stride_hashes)
+
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        self.index.add_replica(replica.replica_id, self._index_capacity(replica))
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        self.index.remove_replica(replica.replica_id)
+
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[object]) -> None:
+        self.index.apply_events(replica.replica_id, events)  # type: ignore[arg-type]
+
+    def _index_capacity(self, replica: ReplicaState) -> int:
+        return replica.capacity_blocks
+
+    def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
+        for replica in replicas:  # replicas may be known before the policy is
+            if replica.replica_id not in self.index.replicas:
+                self.on_replica_added(replica)
+        matched = self.index.match(request.stride_hashes)
+        # The engine always computes at least the last prompt token.
+        limit = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        return {r.replica_id: min(matched.get(r.replica_id, 0), limit) for r in replicas}
+
+
+class CacheAware(_Indexed):
+    """Least total work: the prefill a replica would do plus the work queued on it.
+
+    cost(replica) = uncached prompt tokens there
+                  + its outstanding prefill tokens
+                  + running_request_tokens x its outstanding requests
+
+    Lowest cost wins, ties at random. A hot shared prompt cached on one replica moves
+    to another as soon as the first replica's queue outweighs the prompt's prefill, so
+    it never stays pinned while others idle; and each request weighs its own cached
+    tokens, so affinity is never dropped for all requests at once. A prefix cached
+    nowhere goes to the rendezvous choice among the near-least-loaded replicas, so
+    independent routers send the same new prefix to the same place.
+    """
+
+    name = "cache_aware"
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        matched = self._matches(request, replicas)
+        load = {r.replica_id: self._load(r) for r in replicas}
+        if not any(matched.values()):
+            request.predicted_cached_tokens = 0
+            floor = min(load.values())
+            near = [
+                r for r in replicas if load[r.replica_id] <= floor + self.config.cold_slack_tokens
+            ]
+            return rendezvous(rendezvous_key(request), near)
+        cost = {
+            r.replica_id: request.num_prompt_tokens - matched[r.replica_id] + load[r.replica_id]
+            for r in replicas
+        }
+        best = min(cost.values())
+        chosen = self._pick([r for r in replicas if cost[r.replica_id] == best])
+        request.predicted_cached_tokens = matched[chosen.replica_id]
+        return chosen
+
+    def _load(self, replica: ReplicaState) -> float:
+        return (
+            replica.outstanding_prefill_tokens
+            + self.config.running_request_tokens * replica.outstanding_requests
+        )
+
+
+class CacheAwareApproximate(CacheAware):
+    """``cache_aware`` with an index that learns only from its own routing decisions."""
+
+    name = "cache_aware_approx"
+
+    def _index_config(self, config: PolicyConfig) -> IndexConfig:
+        return replace(config.index, mode="approximate")
+
+
+class SGLangCacheAware(_Indexed):
+    """SGLang router's ``cache_aware``, re-implemented from its documented algorithm.
+
+    1. If the fleet is imbalanced, (max - min) > balance_abs_threshold and
+       max > balance_rel_threshold x min in outstanding requests, go to the least
+       loaded worker.
+    2. Else find the worker whose approximate tree matches the longest prefix; if the
+       match rate (matched / prompt tokens) exceeds cache_threshold, go there.
+    3. Else go to the worker with the smallest tree (the most free cache, it assumes).
+    Every decision inserts the prompt into the chosen worker's tree; the tree learns
+    only from routing and holds up to 2**26 characters per worker, so it rarely
+    forgets what a worker has long evicted.
+    """
+
+    name = "sglang_cache_aware"
+
+    def _index_config(self, config: PolicyConfig) -> IndexConfig:
+        return replace(config.index, mode="approximate", ttl_s=float("inf"))
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        matched = self._matches(request, replicas)
+        loads = [r.outstanding_requests for r in replicas]
+        high, low = max(loads), min(loads)
+        config = self.config
+        if high - low > config.balance_abs_threshold and high > config.balance_rel_threshold * low:
+            chosen = self._least_loaded(replicas)
+        else:
+            best = max(replicas, key=lambda r: matched[r.replica_id])
+            rate = matched[best.replica_id] / request.num_prompt_tokens
+            if rate > config.cache_threshold:
+                chosen = best
+            else:
+                chosen = min(replicas, key=lambda r: self.index.num_entries(r.replica_id))
+        request.predicted_cached_tokens = matched[chosen.replica_id]
+        return chosen
+
+    def _index_capacity(self, replica: ReplicaState) -> int:
+        return self.config.sglang_max_tree_tokens // self.config.block_size
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        Random,
+        LeastLoaded,
+        PowerOfTwo,
+        ConsistentHash,
+        SGLangCacheAware,
+        CacheAware,
+        CacheAwareApproximate,
+    )
+}
+
+
+def make_policy(
+    name: str,
+    clock: Clock,
+    rng: np.random.Generator,
+    config: PolicyConfig | None = None,
+) -> Policy:
     try:
-        return POLICIES[name](clock, rng)
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return cls(config or PolicyConfig(), clock, rng)

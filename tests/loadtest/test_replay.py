@@ -82,14 +82,19 @@ def test_the_command_line_prints_a_sweep_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
     command = [
         sys.executable, "-m", "deploy.cli", "replay", "--workload", "chat", "--replicas", "1",
-        "--chat-num-sessions", "30", "--sweep-capacity", "512,4096", "--json", str(out),
-        "--no-progress",
+        "--policies", "round_robin", "--chat-num-sessions", "30", "--sweep-capacity", "512,4096",
+        "--json", str(out), "--no-progress",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert "block_hit_rate" in done.stdout and "4096" in done.stdout
+    assert "block_hit_rate" in done.stdout and "prefill_tokens_saved" in done.stdout
     report = json.loads(out.read_text())
-    assert [r["capacity_blocks"] for r in report["rows"]] == [512, 4096]
+    labels = [r["label"] for r in report["rows"]]
+    assert labels == [
+        "round_robin @ capacity_blocks=512", "infinite_cache @ capacity_blocks=512",
+        "round_robin @ capacity_blocks=4096", "infinite_cache @ capacity_blocks=4096",
+    ]  # fmt: skip
+    assert [r["capacity_blocks"] for r in report["rows"]] == [512, 512, 4096, 4096]
     assert report["meta"]["seed"] == 0 and "replay" in report["meta"]["command"]
 
 

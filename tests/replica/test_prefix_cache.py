@@ -28,13 +28,7 @@ def admit(cache: PrefixCache, tokens: np.ndarray, hasher=None) -> list[Block]:
     hits = cache.match(hashes, raw)
     cache.acquire(hits)
     blocks = hits + cache.allocate(len(hashes) - len(hits))
-    step = BLOCK * TOKEN_DTYPE.itemsize
-    for i in range(len(hits), len(hashes)):
-        parent = blocks[i - 1] if i else None
-        kept = cache.cache_block(blocks[i], hashes[i], parent, raw[i * step : (i + 1) * step])
-        if kept is None:
-            break
-        blocks[i] = kept
+    cache.cache_blocks(blocks, len(hits), len(hashes), hashes, raw)
     return blocks
 
 
@@ -123,11 +117,12 @@ def test_a_block_computed_twice_is_deduplicated(cache):
     assert second_hits == first
     # A request that computed the same block privately swaps to the cached one.
     mine = cache.allocate(1)
-    kept = cache.cache_block(mine[0], first[0].block_hash, None, first[0].token_bytes)
-    assert kept is first[0] and first[0].ref_count == 2
-    assert mine[0].ref_count == 0 and not mine[0].is_cached
+    private = mine[0]
+    assert cache.cache_blocks(mine, 0, 1, [first[0].block_hash], first[0].token_bytes) == 1
+    assert mine[0] is first[0] and first[0].ref_count == 2
+    assert private.ref_count == 0 and not private.is_cached
     finish(cache, first)
-    finish(cache, [kept])
+    finish(cache, mine)
 
 
 def test_statistics_and_usage(cache):
@@ -145,8 +140,9 @@ def test_event_log_records_stored_removed_and_cleared_with_sequence_numbers(cach
     events, lost = cache.events_since(0)
     assert not lost
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    assert [e.kind for e in events] == ["stored"] * 8 + ["removed", "stored"]
-    assert events[1].parent_hash == events[0].block_hashes[0]
+    assert [e.kind for e in events] == ["stored", "removed", "stored"]
+    assert len(events[0].block_hashes) == 8 and events[0].parent_hash is None
+    assert len(events[1].block_hashes) == 1
     assert cache.reset()
     tail, _ = cache.events_since(events[-1].seq)
     assert [e.kind for e in tail] == ["cleared"]

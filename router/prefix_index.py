@@ -1,0 +1,224 @@
+"""Which replica holds which prefix: block identity -> replicas, for the router.
+
+For a prompt, :meth:`PrefixIndex.match` answers how many leading tokens each replica
+holds, in one pass over the prompt's leading block identities, stopping as soon as
+no replica matches. Identities are chunk-invariant (see ``replica/hashing.py``), so
+the router may hash only every ``stride``-th block boundary and still speak the
+replicas' language; matches are then counted in steps of ``stride`` blocks.
+
+Two sources of knowledge, each a :class:`ReplicaSets`:
+
+- *approximate*: the index learns from its own routing decisions: a prompt sent to
+  a replica is assumed cached there. Each replica's entries form an LRU sized to the
+  replica's capacity, and entries older than a TTL are forgotten.
+- *precise*: the replicas' KV events (stored, removed, cleared) say what they hold.
+  Routing decisions of the last few seconds count as well, to cover events that
+  have not arrived yet.
+
+Memory is bounded by the replicas' total capacity whatever the traffic, and removing
+a replica removes all its entries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from replica.prefix_cache import KVEvent
+
+IndexMode = Literal["approximate", "precise"]
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    mode: IndexMode = "precise"
+    #: The router hashes every ``stride``-th block boundary (4 x 16 = 64 tokens).
+    stride: int = 4
+    #: Approximate mode forgets a prefix not routed for this long.
+    ttl_s: float = 600.0
+    #: Precise mode trusts its own routing decisions for this long before events agree.
+    recent_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("approximate", "precise"):
+            raise ValueError(f"index mode must be approximate or precise, got {self.mode!r}")
+        if self.stride < 1 or self.ttl_s <= 0 or self.recent_s < 0:
+            raise ValueError("stride and ttl_s must be positive, recent_s not negative")
+
+
+class ReplicaSets:
+    """identity -> bitmask of replicas, with one bounded LRU of identities per replica.
+
+    ``capacity`` bounds each replica's entries (``None``: bounded by its source, such
+    as a replica's own events); ``ttl_s`` expires entries not touched for that long.
+    """
+
+    def __init__(self, clock: Callable[[], float], ttl_s: float | None = None) -> None:
+        self.clock = clock
+        self.ttl_s = ttl_s
+        self.holders: dict[int, int] = {}
+        self._entries: dict[int, OrderedDict[int, float]] = {}  # bit -> identity -> last touch
+        self._capacity: dict[int, int | None] = {}
+
+    def add_replica(self, bit: int, capacity: int | None) -> None:
+        self._entries[bit] = OrderedDict()
+        self._capacity[bit] = capacity
+
+    def remove_replica(self, bit: int) -> None:
+        self.clear(bit)
+        del self._entries[bit], self._capacity[bit]
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    def size(self, bit: int) -> int:
+        return len(self._entries[bit])
+
+    def add(self, bit: int, hashes: Iterable[int]) -> None:
+        entries, mask, now = self._entries[bit], 1 << bit, self.clock()
+        holders, capacity = self.holders, self._capacity[bit]
+        ordered = capacity is not None or self.ttl_s is not None
+        for block_hash in hashes:
+            entries[block_hash] = now
+            if ordered:
+                entries.move_to_end(block_hash)
+            holders[block_hash] = holders.get(block_hash, 0) | mask
+        while capacity is not None and len(entries) > capacity:
+            self._drop(bit, entries.popitem(last=False)[0])
+
+    def discard(self, bit: int, hashes: Iterable[int]) -> None:
+        entries = self._entries[bit]
+        for block_hash in hashes:
+            if entries.pop(block_hash, None) is not None:
+                self._drop(bit, block_hash)
+
+    def clear(self, bit: int) -> None:
+        entries = self._entries[bit]
+        for block_hash in entries:
+            self._drop(bit, block_hash)
+        entries.clear()
+
+    def expire(self) -> None:
+        """Forget entries older than the TTL: the oldest sit at the front of each LRU."""
+        if self.ttl_s is None:
+            return
+        horizon = self.clock() - self.ttl_s
+        for bit, entries in self._entries.items():
+            while entries and next(iter(entries.values())) < horizon:
+                self._drop(bit, entries.popitem(last=False)[0])
+
+    def _drop(self, bit: int, block_hash: int) -> None:
+        mask = self.holders.get(block_hash, 0) & ~(1 << bit)
+        if mask:
+            self.holders[block_hash] = mask
+        else:
+            self.holders.pop(block_hash, None)
+
+
+class PrefixIndex:
+    """The router's view of every replica's prefix cache (see the module docstring)."""
+
+    def __init__(self, config: IndexConfig, block_size: int, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.stride_tokens = block_size * config.stride
+        self.clock = clock
+        self._bits: dict[str, int] = {}
+        precise = config.mode == "precise"
+        self.routed = ReplicaSets(clock, config.recent_s if precise else config.ttl_s)
+        self.stored = ReplicaSets(clock) if precise else None
+
+    # ------------------------------------------------------------- replicas
+
+    def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
+        if replica_id in self._bits:
+            return
+        bit = min(set(range(len(self._bits) + 1)) - set(self._bits.values()))
+        self._bits[replica_id] = bit
+        self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
+        if self.stored is not None:
+            self.stored.add_replica(bit, None)
+
+    def remove_replica(self, replica_id: str) -> None:
+        bit = self._bits.pop(replica_id, None)
+        if bit is None:
+            return
+        self.routed.remove_replica(bit)
+        if self.stored is not None:
+            self.stored.remove_replica(bit)
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._bits)
+
+    def num_entries(self, replica_id: str | None = None) -> int:
+        """Identities known (for one replica, or in all), for the memory bound."""
+        sets = [s for s in (self.routed, self.stored) if s is not None]
+        if replica_id is None:
+            return sum(len(s) for s in sets)
+        bit = self._bits[replica_id]
+        return sum(s.size(bit) for s in sets)
+
+    # --------------------------------------------------------------- queries
+
+    def match(self, stride_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading tokens each replica holds, for identities at every stride boundary."""
+        self.routed.expire()
+        routed, stored = self.routed.holders, self.stored.holders if self.stored else {}
+        alive = 0
+        for bit in self._bits.values():
+            alive |= 1 << bit
+        depth_of_bit: dict[int, int] = {}
+        for depth, block_hash in enumerate(stride_hashes):
+            mask = (routed.get(block_hash, 0) | stored.get(block_hash, 0)) & alive
+            lost = alive & ~mask
+            while lost:
+                low = lost & -lost
+                depth_of_bit[low.bit_length() - 1] = depth
+                lost ^= low
+            alive = mask
+            if not alive:
+                break
+        else:
+            for bit in self._bits.values():
+                if alive >> bit & 1:
+                    depth_of_bit[bit] = len(stride_hashes)
+        return {
+            replica: depth_of_bit.get(bit, 0) * self.stride_tokens
+            for replica, bit in self._bits.items()
+        }
+
+    # --------------------------------------------------------------- updates
+
+    def record_routing(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
+        """The request went to ``replica_id``: assume its prompt is cached there now."""
+        bit = self._bits.get(replica_id)
+        if bit is not None:
+            self.routed.add(bit, stride_hashes)
+
+    def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> None:
+        """Precise mode: mirror a replica's stored / removed / cleared blocks."""
+        bit = self._bits.get(replica_id)
+        if bit is None or self.stored is None:
+            return
+        for event in events:
+            if event.kind == "stored":
+                self.stored.add(bit, self._indexed(event))
+            elif event.kind == "removed":
+                self.stored.discard(bit, self._indexed(event))
+            else:
+                self.stored.clear(bit)
+                self.routed.clear(bit)
+
+    def _indexed(self, event: KVEvent) -> Iterable[int]:
+        """The event's blocks at stride boundaries (all of them if it gives no depths)."""
+        stride = self.config.stride
+        if stride == 1 or not event.block_depths:
+            return event.block_hashes
+        return [
+            block_hash
+            for block_hash, depth in zip(event.block_hashes, event.block_depths, strict=True)
+            if depth % stride == stride - 1
+        ]
