@@ -16,9 +16,13 @@ $(INSTALLED): pyproject.toml | $(BIN)/python
 
 install: $(INSTALLED)
 
-# The main job: the seed chapter's experiment replayed offline, with a capacity sweep.
+# The main job, until the live stack lands: offline replays in virtual time.
+# 1. The seed chapter's experiment: one engine, a capacity sweep.
+# 2. Routing policies on a 4-replica fleet, with the report and charts in reports/fleet.
 demo: $(INSTALLED)
-	$(BIN)/prefix-router replay --workload chat --replicas 1 --sweep-capacity 256,1024,2048,4096,8192,16384 --json reports/demo.json
+	$(BIN)/prefix-router replay --workload chat --replicas 1 --policies round_robin \
+		--sweep-capacity 1024,2048,4096,8192,16384 --out reports/seed
+	$(BIN)/prefix-router replay --workload chat --replicas 4 --out reports/fleet
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
@@ -30,6 +34,7 @@ test: lint
 
 bench: $(INSTALLED)
 	$(BIN)/python -m benchmarks.bench_engine_core
+	$(BIN)/python -m benchmarks.bench_router
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .mypy_cache .ruff_cache

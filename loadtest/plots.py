@@ -55,7 +55,7 @@ def ttft_chart(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
 
 def load_chart(rows: Sequence[Row], path: Path) -> None:
     """Requests sent to each replica, grouped by policy."""
-    measured = [r for r in rows if r.get("requests_per_replica")]
+    measured = [r for r in rows if r.get("policy") and r.get("requests_per_replica")]
     replicas = max((len(r["requests_per_replica"]) for r in measured), default=0)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(measured) + 2), 4))
     width = 0.8 / max(replicas, 1)

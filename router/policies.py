@@ -64,6 +64,10 @@ class PolicyConfig:
     #: cache_aware: prefill tokens one running request weighs, to put queued prefill
     #: and running sequences in one unit (its decode steps slow the replica's batch).
     running_request_tokens: float = 256.0
+    #: cache_aware: what an uncached prompt token costs, relative to a queued one. A
+    #: queued token delays only this request; a token computed again is GPU work that
+    #: every request queued after it waits for, and a prefix abandoned on its replica.
+    recompute_weight: float = 4.0
     #: cache_aware: a cold prefix may go to any replica within this much work of the
     #: least loaded; among them the rendezvous choice wins, so routers agree.
     cold_slack_tokens: float = 512.0
@@ -79,6 +83,8 @@ class PolicyConfig:
             raise ValueError("cache_threshold must lie in [0, 1]")
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
             raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
+        if self.recompute_weight <= 0:
+            raise ValueError("recompute_weight must be positive")
 
 
 class Policy:
@@ -199,6 +205,7 @@ class _Indexed(Policy):
         return config.index
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        self._know(replica)
         self.index.record_routing(replica.replica_id, request.stride_hashes)
 
     def on_replica_added(self, replica: ReplicaState) -> None:
@@ -213,10 +220,14 @@ class _Indexed(Policy):
     def _index_capacity(self, replica: ReplicaState) -> int:
         return replica.capacity_blocks
 
+    def _know(self, replica: ReplicaState) -> None:
+        """Replicas may reach the policy before ``on_replica_added`` does."""
+        if not self.index.knows(replica.replica_id):
+            self.on_replica_added(replica)
+
     def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
-        for replica in replicas:  # replicas may be known before the policy is
-            if replica.replica_id not in self.index.replicas:
-                self.on_replica_added(replica)
+        for replica in replicas:
+            self._know(replica)
         matched = self.index.match(request.stride_hashes)
         # The engine always computes at least the last prompt token.
         limit = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
@@ -226,16 +237,20 @@ class _Indexed(Policy):
 class CacheAware(_Indexed):
     """Least total work: the prefill a replica would do plus the work queued on it.
 
-    cost(replica) = uncached prompt tokens there
+    cost(replica) = recompute_weight x uncached prompt tokens there
                   + its outstanding prefill tokens
                   + running_request_tokens x its outstanding requests
 
-    Lowest cost wins, ties at random. A hot shared prompt cached on one replica moves
-    to another as soon as the first replica's queue outweighs the prompt's prefill, so
-    it never stays pinned while others idle; and each request weighs its own cached
-    tokens, so affinity is never dropped for all requests at once. A prefix cached
-    nowhere goes to the rendezvous choice among the near-least-loaded replicas, so
-    independent routers send the same new prefix to the same place.
+    all in prefill tokens. Lowest cost wins, ties at random. Queued tokens delay only
+    this request, while a token computed again is work every later request on that
+    replica waits for, and leaves a cached prefix behind: hence the weight (4).
+
+    A hot shared prompt cached on one replica is copied to another as soon as the
+    first replica's queue outweighs the copy, so it never stays pinned while others
+    idle; each request weighs its own cached tokens, so affinity is never dropped for
+    all requests at once (SGLang's fleet-wide imbalance switch does that). A prefix
+    cached nowhere goes to the rendezvous choice among the near-least-loaded
+    replicas, so independent routers send the same new prefix to the same place.
     """
 
     name = "cache_aware"
@@ -250,8 +265,10 @@ class CacheAware(_Indexed):
                 r for r in replicas if load[r.replica_id] <= floor + self.config.cold_slack_tokens
             ]
             return rendezvous(rendezvous_key(request), near)
+        weight = self.config.recompute_weight
         cost = {
-            r.replica_id: request.num_prompt_tokens - matched[r.replica_id] + load[r.replica_id]
+            r.replica_id: weight * (request.num_prompt_tokens - matched[r.replica_id])
+            + load[r.replica_id]
             for r in replicas
         }
         best = min(cost.values())

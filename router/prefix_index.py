@@ -126,6 +126,7 @@ class PrefixIndex:
         self.stride_tokens = block_size * config.stride
         self.clock = clock
         self._bits: dict[str, int] = {}
+        self._all_bits = 0
         precise = config.mode == "precise"
         self.routed = ReplicaSets(clock, config.recent_s if precise else config.ttl_s)
         self.stored = ReplicaSets(clock) if precise else None
@@ -137,6 +138,7 @@ class PrefixIndex:
             return
         bit = min(set(range(len(self._bits) + 1)) - set(self._bits.values()))
         self._bits[replica_id] = bit
+        self._all_bits |= 1 << bit
         self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
         if self.stored is not None:
             self.stored.add_replica(bit, None)
@@ -145,6 +147,7 @@ class PrefixIndex:
         bit = self._bits.pop(replica_id, None)
         if bit is None:
             return
+        self._all_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
         if self.stored is not None:
             self.stored.remove_replica(bit)
@@ -152,6 +155,9 @@ class PrefixIndex:
     @property
     def replicas(self) -> list[str]:
         return list(self._bits)
+
+    def knows(self, replica_id: str) -> bool:
+        return replica_id in self._bits
 
     def num_entries(self, replica_id: str | None = None) -> int:
         """Identities known (for one replica, or in all), for the memory bound."""
@@ -167,9 +173,7 @@ class PrefixIndex:
         """Leading tokens each replica holds, for identities at every stride boundary."""
         self.routed.expire()
         routed, stored = self.routed.holders, self.stored.holders if self.stored else {}
-        alive = 0
-        for bit in self._bits.values():
-            alive |= 1 << bit
+        alive = self._all_bits
         depth_of_bit: dict[int, int] = {}
         for depth, block_hash in enumerate(stride_hashes):
             mask = (routed.get(block_hash, 0) | stored.get(block_hash, 0)) & alive

@@ -7,11 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.replay import ReplayConfig, replay
+from loadtest.replay import ReplayConfig, Simulation, infinite_cache_bound, replay
 from loadtest.report import ROW_KEYS, replay_row
 from loadtest.workloads import ChatConfig, chat_workload, load_workload
 from tests.shared import MOONCAKE_TRACE
 
+POLICY_NAMES = ("round_robin", "power_of_two", "sglang_cache_aware", "cache_aware")
 SMALL = ChatConfig(num_sessions=60, session_rate=4.0)
 
 
@@ -104,3 +105,93 @@ def test_the_command_line_explains_bad_input():
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "unknown workload" in done.stderr
+
+
+# ------------------------------------------------------------ routing policies
+
+FLEET = ChatConfig(num_sessions=300, session_rate=8.0)
+
+
+def run_fleet(workload, config, policy):
+    """Replay, then check that every load count came back to zero."""
+    simulation = Simulation(workload, config, policy)
+    result = simulation.run()
+    for replica in simulation.replicas:
+        assert replica.outstanding_requests == 0, f"{policy} left load on {replica.replica_id}"
+        assert replica.outstanding_prefill_tokens == 0
+    assert not any(engine.has_unfinished for engine in simulation.engines)
+    return result
+
+
+def test_cache_aware_beats_load_only_and_sglang_routing_on_a_chat_fleet():
+    workload = chat_workload(FLEET)
+    config = ReplayConfig(replicas=4, capacity_blocks=1024)
+    rows = {p: replay_row(run_fleet(workload, config, p)) for p in POLICY_NAMES}
+    ours = rows["cache_aware"]
+    for other in ("round_robin", "power_of_two", "sglang_cache_aware"):
+        assert ours["token_hit_rate"] > rows[other]["token_hit_rate"], other
+        assert ours["ttft_p99_s"] < rows[other]["ttft_p99_s"], other
+    assert ours["imbalance"] <= 1.25
+    assert ours["prediction_accuracy"] > 0.9
+    assert rows["round_robin"]["prediction_accuracy"] is None
+
+
+def test_reference_rows_bound_every_policy():
+    workload = chat_workload(FLEET)
+    config = ReplayConfig(replicas=4, capacity_blocks=1024)
+    result = run_fleet(workload, config, "cache_aware")
+    bound = infinite_cache_bound(workload, result)
+    pooled = replay_row(run_fleet(workload, config.pooled(), "round_robin"))
+    assert bound.cached_tokens / bound.prompt_tokens >= pooled["token_hit_rate"]
+    assert pooled["capacity_blocks"] == 4096 and pooled["replicas"] == 1
+    assert replay_row(result)["token_hit_rate"] >= 0.9 * pooled["token_hit_rate"]
+
+
+def test_the_same_seed_reproduces_a_randomised_policys_report():
+    workload = chat_workload(replace(FLEET, num_sessions=60))
+    config = ReplayConfig(replicas=3)
+    for policy in ("random", "power_of_two", "cache_aware"):
+        assert replay_row(replay(workload, config, policy)) == replay_row(
+            replay(workload, config, policy)
+        )
+
+
+def test_cache_aware_beats_round_robin_on_the_mooncake_trace():
+    workload = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 400})
+    config = ReplayConfig(replicas=8, capacity_blocks=26_000)
+    rr = replay_row(run_fleet(workload, config, "round_robin"))
+    ours = replay_row(run_fleet(workload, config, "cache_aware"))
+    assert ours["token_hit_rate"] > rr["token_hit_rate"]
+    assert ours["failures"] == rr["failures"] == 0
+
+
+def test_decode_bursts_change_no_figure():
+    workload = chat_workload(replace(FLEET, num_sessions=60))
+    single = replay_row(
+        replay(workload, ReplayConfig(replicas=2, max_burst_steps=1), "cache_aware")
+    )
+    burst = replay_row(
+        replay(workload, ReplayConfig(replicas=2, max_burst_steps=64), "cache_aware")
+    )
+    for key in ("token_hit_rate", "requests_per_replica", "evictions", "prediction_accuracy"):
+        assert single[key] == burst[key], key
+    for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "duration_s"):
+        assert single[key] == pytest.approx(burst[key], rel=1e-9), key
+
+
+def test_the_command_line_writes_a_report_with_charts(tmp_path):
+    command = [
+        sys.executable, "-m", "deploy.cli", "replay", "--policies", "round_robin,cache_aware",
+        "--chat-num-sessions", "40", "--sweep", "replicas=1,2", "--out", str(tmp_path),
+        "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    labels = [r["label"] for r in report["rows"]]
+    assert "cache_aware @ replicas=2" in labels and "single_engine_2x @ replicas=2" in labels
+    assert "infinite_cache @ replicas=1" in labels and "single_engine_1x @ replicas=1" not in labels
+    for chart in ("hit_rate.png", "ttft.png", "load.png", "sweep.png"):
+        assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG"), chart
+    markdown = (tmp_path / "report.md").read_text()
+    assert "![hit_rate.png](hit_rate.png)" in markdown and "cache_aware @ replicas=2" in markdown

@@ -1,0 +1,93 @@
+"""Speed of the router core and of the offline replayer.
+
+- Routing decision time: ``cache_aware`` choosing among 16 replicas for an 8k-token
+  prompt whose prefix the index knows, and the hashing of that prompt's identities.
+- Replay time: the whole Mooncake conversation trace on 8 replicas, per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.replay import ReplayConfig, replay
+from loadtest.report import replay_row
+from loadtest.workloads import load_workload
+from replica.hashing import block_hashes, identity_seed
+from replica.tokenizer import TOKEN_DTYPE
+from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+STRIDE_TOKENS = 64
+
+
+def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[float, float]:
+    """Median microseconds per decision, and per hashing of the prompt's strides."""
+    rng = np.random.default_rng(0)
+    fleet = [ReplicaState(f"replica-{i}", 26_000) for i in range(replicas)]
+    policy = make_policy("cache_aware", time.monotonic, rng, PolicyConfig())
+    seed = identity_seed("sim-llama3-8b")
+    prompts = [
+        rng.integers(0, 2**32, prompt_tokens, dtype=np.uint64).astype(TOKEN_DTYPE)
+        for _ in range(64)
+    ]
+    requests = []
+    for i, tokens in enumerate(prompts):  # every prompt known on one replica, half of it on another
+        hashes = block_hashes(tokens, STRIDE_TOKENS, seed)
+        policy.on_dispatch(RoutingRequest(f"warm-{i}", prompt_tokens, hashes), fleet[i % replicas])
+        policy.on_dispatch(
+            RoutingRequest(f"half-{i}", prompt_tokens // 2, hashes[: len(hashes) // 2]),
+            fleet[(i + 1) % replicas],
+        )
+        requests.append(RoutingRequest(f"r{i}", prompt_tokens, hashes))
+    for replica in fleet:
+        replica.outstanding_requests = int(rng.integers(0, 8))
+        replica.outstanding_prefill_tokens = int(rng.integers(0, 20_000))
+    decisions, hashing = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for request in requests:
+            policy.choose(request, fleet)
+        decisions.append((time.perf_counter() - start) / len(requests))
+        start = time.perf_counter()
+        for tokens in prompts:
+            block_hashes(tokens, STRIDE_TOKENS, seed)
+        hashing.append((time.perf_counter() - start) / len(prompts))
+    return 1e6 * statistics.median(decisions), 1e6 * statistics.median(hashing)
+
+
+def bench_trace(policies: list[str], replicas: int) -> None:
+    workload = load_workload(f"trace:{TRACE}")
+    config = ReplayConfig(replicas=replicas, capacity_blocks=26_000)
+    for policy in policies:
+        start = time.perf_counter()
+        row = replay_row(replay(workload, config, policy))
+        seconds = time.perf_counter() - start
+        print(
+            f"mooncake trace, {row['requests']} requests, {replicas} replicas, {policy}: "
+            f"{seconds:.1f} s (token hit rate {row['token_hit_rate']:.1%})"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--trace-policies", default="round_robin,cache_aware")
+    parser.add_argument("--no-trace", action="store_true", help="skip the minute-long trace replay")
+    args = parser.parse_args(argv)
+    decision_us, hashing_us = bench_decision(16, 8192, args.repeats)
+    print(
+        "routing decision, 8k-token prompt, 16 replicas, cache_aware: "
+        f"{decision_us:.1f} us (goal: 50 us)"
+    )
+    print(f"hashing that prompt's identities every {STRIDE_TOKENS} tokens: {hashing_us:.1f} us")
+    if not args.no_trace:
+        bench_trace(args.trace_policies.split(","), 8)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Routing policies: baselines, SGLang's cache_aware, and ours, on small scenes."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from replica.hashing import block_hashes, identity_seed
+from replica.tokenizer import TOKEN_DTYPE
+from router.policies import (
+    POLICIES,
+    PolicyConfig,
+    ReplicaState,
+    RoutingRequest,
+    make_policy,
+)
+
+SEED = identity_seed("sim-llama3-8b")
+STRIDE_TOKENS = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(tokens: np.ndarray, request_id: str = "r") -> RoutingRequest:
+    return RoutingRequest(request_id, len(tokens), block_hashes(tokens, STRIDE_TOKENS, SEED))
+
+
+def prompt(length: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + length, dtype=TOKEN_DTYPE)
+
+
+def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:
+    return [ReplicaState(f"replica-{i}", capacity) for i in range(n)]
+
+
+def policy(name: str, seed: int = 0, **config):
+    made = make_policy(name, Clock(), np.random.default_rng(seed), PolicyConfig(**config))
+    return made
+
+
+def dispatch(pol, req: RoutingRequest, replicas: list[ReplicaState]) -> ReplicaState:
+    """What the router does: choose, count the load, tell the policy."""
+    chosen = pol.choose(req, replicas)
+    chosen.outstanding_requests += 1
+    chosen.outstanding_prefill_tokens += req.predicted_uncached_tokens
+    chosen.dispatched += 1
+    pol.on_dispatch(req, chosen)
+    return chosen
+
+
+def complete(pol, req: RoutingRequest, replica: ReplicaState) -> None:
+    replica.outstanding_requests -= 1
+    replica.outstanding_prefill_tokens -= req.predicted_uncached_tokens
+    pol.on_complete(req, replica)
+
+
+def test_every_policy_is_registered_by_name():
+    assert set(POLICIES) >= {
+        "round_robin", "random", "least_loaded", "power_of_two", "consistent_hash",
+        "sglang_cache_aware", "cache_aware", "cache_aware_approx",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown policy"):
+        policy("fastest")
+
+
+def test_round_robin_takes_each_replica_in_turn():
+    replicas, pol = fleet(3), policy("round_robin")
+    chosen = [pol.choose(request(prompt(10)), replicas).replica_id for _ in range(6)]
+    assert chosen == ["replica-0", "replica-1", "replica-2"] * 2
+
+
+def test_random_is_reproducible_for_a_seed_and_uses_every_replica():
+    replicas = fleet(4)
+    first = [policy("random", 7).choose(request(prompt(5)), replicas) for _ in range(1)]
+    again = [policy("random", 7).choose(request(prompt(5)), replicas) for _ in range(1)]
+    assert first == again
+    pol = policy("random", 1)
+    assert len({pol.choose(request(prompt(5)), replicas).replica_id for _ in range(100)}) == 4
+
+
+def test_least_loaded_and_power_of_two_avoid_the_busy_replica():
+    replicas = fleet(4)
+    for replica, load in zip(replicas, (5, 0, 3, 9), strict=True):
+        replica.outstanding_requests = load
+    assert policy("least_loaded").choose(request(prompt(5)), replicas).replica_id == "replica-1"
+    pol = policy("power_of_two", 3)
+    picks = Counter(pol.choose(request(prompt(5)), replicas).replica_id for _ in range(300))
+    assert picks["replica-3"] == 0  # the busiest never wins a pair
+    assert picks["replica-1"] > picks["replica-0"]
+
+
+def test_consistent_hash_is_sticky_and_moves_only_the_removed_replicas_keys():
+    replicas, pol = fleet(4), policy("consistent_hash")
+    prompts = [prompt(100, 1000 * i) for i in range(200)]
+    before = {i: pol.choose(request(p), replicas).replica_id for i, p in enumerate(prompts)}
+    assert len(set(before.values())) == 4
+    survivors = [r for r in replicas if r.replica_id != "replica-2"]
+    after = {i: pol.choose(request(p), survivors).replica_id for i, p in enumerate(prompts)}
+    moved = [i for i in before if before[i] != after[i]]
+    assert moved and all(before[i] == "replica-2" for i in moved)
+
+
+def test_cache_aware_sends_a_cold_prefix_where_independent_routers_agree():
+    replicas = fleet(4)
+    first, second = policy("cache_aware", 1), policy("cache_aware", 2)
+    for i in range(20):
+        cold = request(prompt(300, 10_000 * i))
+        assert first.choose(cold, replicas) is second.choose(cold, replicas)
+        assert cold.predicted_cached_tokens == 0
+
+
+def test_cache_aware_follows_a_cached_prefix():
+    replicas, pol = fleet(4), policy("cache_aware")
+    history = prompt(2000)
+    home = dispatch(pol, request(history, "turn-1"), replicas)
+    complete(pol, request(history, "turn-1"), home)
+    follow_up = request(np.concatenate((history, prompt(100, 99_000))), "turn-2")
+    assert pol.choose(follow_up, replicas) is home
+    assert follow_up.predicted_cached_tokens == 1984  # whole strides of the history
+
+
+def test_cache_aware_never_pins_a_hot_shared_prompt_while_others_idle():
+    replicas, pol = fleet(4), policy("cache_aware")
+    system = prompt(1500)
+    homes = Counter()
+    for i in range(120):  # 120 concurrent sessions open with the same system prompt
+        req = request(np.concatenate((system, prompt(50, 100_000 + 100 * i))), f"s{i}")
+        homes[dispatch(pol, req, replicas).replica_id] += 1
+        if i == 29:  # the first replica's queue soon outweighs copying the prompt elsewhere
+            assert len(homes) > 1
+    assert len(homes) == 4 and max(homes.values()) <= 1.5 * min(homes.values())
+
+
+def test_cache_aware_keeps_affinity_for_long_prefixes_when_a_replica_is_busy():
+    replicas, pol = fleet(2), policy("cache_aware")
+    long_history, short_history = prompt(8000), prompt(300, 50_000)
+    for req in (request(long_history, "long"), request(short_history, "short")):
+        chosen = pol.choose(req, [replicas[0]])  # both cached on replica-0
+        pol.on_dispatch(req, chosen)
+    replicas[0].outstanding_requests = 6
+    replicas[0].outstanding_prefill_tokens = 1000  # busy, but not 8,000 tokens busy
+    stay = pol.choose(request(np.concatenate((long_history, prompt(40, 7))), "l2"), replicas)
+    move = pol.choose(request(np.concatenate((short_history, prompt(40, 7))), "s2"), replicas)
+    assert stay.replica_id == "replica-0" and move.replica_id == "replica-1"
+
+
+def test_cache_aware_forgets_a_removed_replica():
+    replicas, pol = fleet(3), policy("cache_aware")
+    history = prompt(1000)
+    home = dispatch(pol, request(history), replicas)
+    pol.on_replica_removed(home)
+    rest = [r for r in replicas if r is not home]
+    follow_up = request(np.concatenate((history, prompt(10, 5000))))
+    assert pol.choose(follow_up, rest) in rest
+    assert follow_up.predicted_cached_tokens == 0
+    assert pol.index.num_entries() == 0
+
+
+def test_sglang_cache_aware_goes_least_loaded_when_the_fleet_is_imbalanced():
+    replicas, pol = fleet(2), policy("sglang_cache_aware")
+    history = prompt(1000)
+    pol.on_dispatch(request(history), replicas[0])
+    follow_up = request(np.concatenate((history, prompt(10, 5000))))
+    assert pol.choose(follow_up, replicas) is replicas[0]  # balanced: match rate ~ 0.98
+    replicas[0].outstanding_requests = 100  # 100 - 0 > 64 and 100 > 1.5 * 0
+    assert pol.choose(follow_up, replicas) is replicas[1]
+    replicas[1].outstanding_requests = 40  # 100 - 40 < 64: balanced again
+    assert pol.choose(follow_up, replicas) is replicas[0]
+
+
+def test_sglang_cache_aware_sends_low_matches_to_the_smallest_tree():
+    replicas, pol = fleet(3), policy("sglang_cache_aware")
+    shared = prompt(128)
+    pol.on_dispatch(request(prompt(2000, 10**6)), replicas[0])  # a big tree
+    pol.on_dispatch(request(shared), replicas[1])
+    pol.on_dispatch(request(prompt(64, 7 * 10**6)), replicas[2])  # the smallest tree
+    low_match = request(np.concatenate((shared, prompt(1000, 9 * 10**6))))  # rate 0.11 < 0.3
+    assert pol.choose(low_match, replicas) is replicas[2]
+
+
+def test_sglang_cache_aware_uses_sglang_defaults():
+    config = PolicyConfig()
+    assert (config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold) == (
+        0.3,
+        64,
+        1.5,
+    )

@@ -1,0 +1,140 @@
+"""The router's prefix index: matches, approximate learning, precise events, bounds."""
+
+import numpy as np
+import pytest
+
+from replica.engine import Engine, EngineConfig
+from replica.hashing import block_hashes, identity_seed
+from replica.sequence import EngineRequest
+from replica.tokenizer import TOKEN_DTYPE
+from router.prefix_index import IndexConfig, PrefixIndex
+
+BLOCK, STRIDE = 16, 4
+SEED = identity_seed("sim-llama3-8b")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stride_hashes(tokens: np.ndarray) -> list[int]:
+    return block_hashes(tokens, BLOCK * STRIDE, SEED)
+
+
+def prompt(length: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + length, dtype=TOKEN_DTYPE)
+
+
+def make_index(mode: str = "approximate", clock: Clock | None = None, **config) -> PrefixIndex:
+    index = PrefixIndex(IndexConfig(mode=mode, stride=STRIDE, **config), BLOCK, clock or Clock())
+    for name in ("a", "b", "c"):
+        index.add_replica(name, capacity_blocks=64)
+    return index
+
+
+def test_match_reports_the_leading_tokens_each_replica_holds():
+    index = make_index()
+    index.record_routing("a", stride_hashes(prompt(640)))
+    index.record_routing("b", stride_hashes(prompt(256)))
+    assert index.match(stride_hashes(prompt(1000))) == {"a": 640, "b": 256, "c": 0}
+    # a different prompt that shares the first 128 tokens with both
+    other = np.concatenate((prompt(128), prompt(500, 10_000)))
+    assert index.match(stride_hashes(other)) == {"a": 128, "b": 128, "c": 0}
+
+
+def test_approximate_entries_are_an_lru_sized_to_the_replica_capacity():
+    index = make_index()
+    for i in range(50):  # 50 prompts of 4 stride blocks: far over 64 blocks / stride 4
+        index.record_routing("a", stride_hashes(prompt(256, 1000 * i)))
+    assert index.num_entries("a") == 64 // STRIDE
+    assert index.match(stride_hashes(prompt(256, 49_000)))["a"] == 256  # newest kept
+    assert index.match(stride_hashes(prompt(256, 0)))["a"] == 0  # oldest forgotten
+
+
+def test_approximate_entries_expire_after_the_ttl():
+    clock = Clock()
+    index = make_index(clock=clock, ttl_s=10.0)
+    index.record_routing("a", stride_hashes(prompt(256)))
+    clock.now = 9.0
+    assert index.match(stride_hashes(prompt(256)))["a"] == 256
+    clock.now = 10.5
+    assert index.match(stride_hashes(prompt(256)))["a"] == 0
+    assert index.num_entries() == 0
+
+
+def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries():
+    clock = Clock()
+    index = make_index("precise", clock, recent_s=2.0)
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    engine.add_request(EngineRequest("r", prompt(700), 1))
+    while engine.has_unfinished:
+        engine.step()
+    events, _ = engine.cache.events_since(0)
+    index.apply_events("b", events)
+    # 700 tokens: 43 full blocks cached; stride boundaries every 64 tokens.
+    assert index.match(stride_hashes(prompt(1000)))["b"] == 640
+    assert index.num_entries("b") == 43 // STRIDE  # only stride-boundary blocks are kept
+    # Eviction by a new request shrinks the chain from its tail.
+    engine.add_request(EngineRequest("s", prompt(600, 50_000), 1))
+    while engine.has_unfinished:
+        engine.step()
+    events, _ = engine.cache.events_since(events[-1].seq)
+    index.apply_events("b", events)
+    held = index.match(stride_hashes(prompt(1000)))["b"]
+    cached = len(
+        engine.cache.match(block_hashes(prompt(1000), BLOCK, SEED), prompt(1000).tobytes())
+    )
+    assert held == cached * BLOCK // (BLOCK * STRIDE) * BLOCK * STRIDE < 640
+
+
+def test_precise_mode_counts_recent_routing_until_events_arrive():
+    clock = Clock()
+    index = make_index("precise", clock, recent_s=2.0)
+    index.record_routing("c", stride_hashes(prompt(256)))
+    assert index.match(stride_hashes(prompt(256)))["c"] == 256
+    clock.now = 3.0
+    assert index.match(stride_hashes(prompt(256)))["c"] == 0
+
+
+def test_a_cleared_event_forgets_everything_of_that_replica():
+    index = make_index("precise")
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    engine.add_request(EngineRequest("r", prompt(300), 1))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.reset_cache()
+    events, _ = engine.cache.events_since(0)
+    index.apply_events("a", events)
+    assert index.num_entries("a") == 0
+
+
+def test_removing_a_replica_removes_all_its_entries():
+    index = make_index()
+    index.record_routing("a", stride_hashes(prompt(512)))
+    index.record_routing("b", stride_hashes(prompt(512)))
+    index.remove_replica("a")
+    assert "a" not in index.match(stride_hashes(prompt(512)))
+    assert index.num_entries() == 512 // (BLOCK * STRIDE)  # b's entries only
+    index.add_replica("a", 64)  # re-admitted: empty
+    assert index.match(stride_hashes(prompt(512)))["a"] == 0
+
+
+def test_memory_is_bounded_by_total_capacity_whatever_the_traffic():
+    index = make_index("precise")
+    rng = np.random.default_rng(0)
+    for i in range(2000):
+        replica = "abc"[i % 3]
+        tokens = rng.integers(0, 2**32, int(rng.integers(64, 2000)), dtype=np.uint64)
+        index.record_routing(replica, stride_hashes(tokens.astype(TOKEN_DTYPE)))
+    assert index.num_entries() <= 3 * 64 // STRIDE
+
+
+def test_invalid_configs_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        IndexConfig(mode="psychic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        IndexConfig(stride=0)
