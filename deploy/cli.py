@@ -55,7 +55,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(commands)
+    add_replica_parser(commands)
+    add_gateway_parser(commands)
     return parser
+
+
+def add_gateway_parser(commands: Any) -> None:
+    from router.gateway import GatewayConfig
+
+    parser = commands.add_parser(
+        "gateway",
+        help="run the routing gateway alone, in front of OpenAI-compatible servers",
+        description="The cache-aware gateway in front of --backend URLs (ours, vLLM or SGLang).",
+    )
+    parser.add_argument("--backend", action="append", default=[], metavar="URL", help="repeatable")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_config_flags(parser, GatewayConfig)
+    parser.set_defaults(run=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.gateway import GatewayConfig, create_app
+
+    config = GatewayConfig(**config_overrides(args, GatewayConfig))
+    app = create_app(config, args.backend)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_replica_parser(commands: Any) -> None:
+    from replica.server import ReplicaConfig
+
+    parser = commands.add_parser(
+        "replica",
+        help="serve one simulated engine replica over HTTP, without Ray",
+        description="One prefix-cached engine replica with an OpenAI-compatible API.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    add_config_flags(parser, ReplicaConfig)
+    parser.set_defaults(run=run_replica)
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from replica.server import ReplicaConfig, create_app
+
+    config = ReplicaConfig(**config_overrides(args, ReplicaConfig))
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,94 @@
+"""The engine in real time: a background task that steps it and streams its tokens.
+
+The pure :class:`~replica.engine.Engine` says how long each step would take on the
+simulated GPU; this loop sleeps that long (divided by ``speedup``, less the time the
+step took to compute here) before handing the step's tokens to their streams, so
+clients see the simulated GPU's timing. All of it runs on one asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from replica.engine import Engine, RequestOutput
+from replica.sequence import EngineRequest
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        speedup: float = 1.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if speedup <= 0:
+            raise ValueError("speedup must be positive")
+        self.engine = engine
+        self.speedup = speedup
+        self._clock = clock
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue a request now; iterate the result for its outputs until it finishes.
+
+        Raises ValueError (from the engine) at once if the request can never fit. If
+        the consumer stops early (a client disconnected), the request is aborted.
+        """
+        self.engine.add_request(request)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._wake.set()
+        return self._outputs(request.request_id, queue)
+
+    async def _outputs(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        clock = self._clock or loop.time
+        while True:
+            if not self.engine.has_unfinished:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = clock()
+            result = self.engine.step()
+            delay = result.duration_s / self.speedup - (clock() - started)
+            await asyncio.sleep(max(delay, 0.0))
+            for output in result.outputs:
+                if output.finished:  # the stream ends here even if nobody reads it
+                    queue = self._streams.pop(output.request_id, None)
+                else:
+                    queue = self._streams.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)

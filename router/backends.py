@@ -1,0 +1,133 @@
+"""The gateway's replicas: where they are, their load, and their KV events.
+
+A backend is any OpenAI-compatible server (ours, vLLM, SGLang) known by URL. The
+pool keeps one :class:`~router.policies.ReplicaState` per backend for the policy,
+one pooled ``httpx.AsyncClient`` for all traffic, and, for backends that publish
+them (ours), a task that polls ``/kv_events`` and hands new events to the policy.
+Backends can be added and removed while the gateway serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from replica.prefix_cache import KVEvent
+from router.policies import ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    state: ReplicaState
+    last_event_seq: int = 0
+    events_supported: bool = True
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    upstream_errors: int = 0
+    _poller: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class BackendPool:
+    """Backends by URL. ``on_events`` receives each backend's new KV events."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        on_events: Callable[[ReplicaState, list[KVEvent]], None],
+        on_removed: Callable[[ReplicaState], None],
+        poll_interval_s: float = 0.05,
+        default_capacity_blocks: int = 4096,
+    ) -> None:
+        self.client = client
+        self._on_events = on_events
+        self._on_removed = on_removed
+        self._interval = poll_interval_s
+        self._capacity = default_capacity_blocks
+        self._backends: dict[str, Backend] = {}
+
+    @property
+    def backends(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    @property
+    def states(self) -> list[ReplicaState]:
+        return [b.state for b in self._backends.values()]
+
+    def by_state(self, state: ReplicaState) -> Backend:
+        return self._backends[state.replica_id]
+
+    def add(
+        self, url: str, replica_id: str | None = None, capacity_blocks: int | None = None
+    ) -> Backend:
+        """Start routing to ``url`` (idempotent); its KV events are followed from now on."""
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
+        for backend in self._backends.values():
+            if backend.url == url:
+                return backend
+        name = replica_id or url
+        backend = Backend(url, ReplicaState(name, capacity_blocks or self._capacity))
+        self._backends[name] = backend
+        backend._poller = asyncio.get_running_loop().create_task(self._poll(backend))
+        return backend
+
+    async def remove(self, url_or_id: str) -> bool:
+        key = url_or_id.rstrip("/")
+        backend = self._backends.get(key) or next(
+            (b for b in self._backends.values() if b.url == key), None
+        )
+        if backend is None:
+            return False
+        del self._backends[backend.state.replica_id]
+        if backend._poller is not None:
+            backend._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await backend._poller
+        self._on_removed(backend.state)
+        return True
+
+    async def close(self) -> None:
+        for backend in list(self._backends.values()):
+            await self.remove(backend.state.replica_id)
+
+    async def _poll(self, backend: Backend) -> None:
+        """Follow a backend's KV events; stop quietly if it has none (vLLM, SGLang)."""
+        while backend.events_supported:
+            try:
+                response = await self.client.get(
+                    f"{backend.url}/kv_events",
+                    params={"since": backend.last_event_seq},
+                    timeout=5.0,
+                )
+                if response.status_code == 404:
+                    backend.events_supported = False
+                    break
+                response.raise_for_status()
+                body = response.json()
+                events = [
+                    KVEvent(
+                        e["seq"],
+                        e["kind"],
+                        tuple(e["block_hashes"]),
+                        e.get("parent_hash"),
+                        tuple(e.get("block_depths", ())),
+                    )
+                    for e in body["events"]
+                ]
+                if body.get("lost"):  # fell behind the replica's log: start over empty
+                    events.insert(0, KVEvent(0, "cleared"))
+                if events:
+                    self._on_events(backend.state, events)
+                backend.last_event_seq = body["last_seq"]
+            except (httpx.HTTPError, ValueError, KeyError) as error:
+                log.debug("kv events from %s: %s", backend.url, error)
+            await asyncio.sleep(self._interval)

@@ -1,0 +1,421 @@
+"""The HTTP gateway: the OpenAI API in front of a fleet, routing by cached prefix.
+
+Each request is validated, tokenized with the replicas' tokenizer and chat template,
+hashed at every ``stride``-th block boundary, and handed to the policy, which picks
+a backend. The gateway counts the load at dispatch, forwards the request body as it
+came, streams the answer back without buffering, and releases the load when the
+request ends, however it ends. It stays async end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from replica import openai_api as api
+from replica.hashing import block_hashes, identity_seed
+from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer
+from router.backends import Backend, BackendPool
+from router.policies import POLICIES, Policy, PolicyConfig, RoutingRequest, make_policy
+from router.prefix_index import IndexConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    policy: str = "cache_aware"
+    #: The model name the replicas serve (it seeds block identities).
+    model: str = "sim-llama3-8b"
+    block_size: int = 16
+    #: Hash every ``stride``-th block boundary (64 tokens).
+    stride: int = 4
+    #: KV blocks assumed per backend when it does not say (sizes the approximate index).
+    capacity_blocks: int = 4096
+    kv_events_interval_s: float = 0.05
+    upstream_timeout_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(block_size=self.block_size, index=IndexConfig(stride=self.stride))
+
+
+class Metrics:
+    """The gateway's Prometheus figures."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["replica", "policy"]
+        self.decisions = Counter(
+            "prefix_router_routing_decisions", "Requests routed.", labels, registry=self.registry
+        )
+        self.predicted = Counter(
+            "prefix_router_predicted_cached_tokens",
+            "Cached tokens the router predicted.",
+            labels,
+            registry=self.registry,
+        )
+        self.actual = Counter(
+            "prefix_router_actual_cached_tokens",
+            "Cached tokens the replicas reported.",
+            labels,
+            registry=self.registry,
+        )
+        self.outstanding = Gauge(
+            "prefix_router_outstanding_requests",
+            "Requests in flight.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "prefix_router_upstream_errors",
+            "Failed upstream calls.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.overhead = Histogram(
+            "prefix_router_gateway_overhead_seconds",
+            "Time from receiving a request to sending it upstream.",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=self.registry,
+        )
+
+
+class Gateway:
+    """Routing state and the request path; :func:`create_app` wraps it in FastAPI."""
+
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.metrics = Metrics()
+        self.rng = np.random.default_rng(config.seed)
+        self.policy: Policy = self._make_policy(config.policy)
+        self.pool = BackendPool(
+            client,
+            on_events=lambda state, events: self.policy.on_kv_events(state, events),
+            on_removed=lambda state: self.policy.on_replica_removed(state),
+            poll_interval_s=config.kv_events_interval_s,
+            default_capacity_blocks=config.capacity_blocks,
+        )
+        self.client = client
+        self._seeds: dict[str | None, int] = {}
+        self._prefilling: set[str] = set()
+
+    def _make_policy(self, name: str) -> Policy:
+        return make_policy(name, time.monotonic, self.rng, self.config.policy_config())
+
+    def switch_policy(self, name: str) -> None:
+        """Route with ``name`` from now on; the new policy learns the fleet afresh."""
+        policy = self._make_policy(name)
+        for state in self.pool.states:
+            policy.on_replica_added(state)
+        self.policy = policy
+
+    def routing_request(self, prompt: np.ndarray, cache_salt: str | None) -> RoutingRequest:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            seed = self._seeds[cache_salt] = identity_seed(self.config.model, cache_salt)
+        stride_tokens = self.config.block_size * self.config.stride
+        return RoutingRequest(
+            api.new_id("route"), len(prompt), block_hashes(prompt, stride_tokens, seed)
+        )
+
+    async def forward(
+        self,
+        path: str,
+        body: dict[str, Any],
+        routing: RoutingRequest,
+        stream: bool,
+        received: float,
+    ) -> Response:
+        states = self.pool.states
+        if not states:
+            return JSONResponse(api.error_body("no backends to route to", 503), status_code=503)
+        policy = self.policy
+        state = policy.choose(routing, states)
+        backend = self.pool.by_state(state)
+        self._dispatched(routing, backend, policy)
+        upstream_body = body
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream and not client_wants_usage:  # ask for usage anyway, to learn cached tokens
+            upstream_body = {**body, "stream_options": {"include_usage": True}}
+        request = self.client.build_request(
+            "POST", backend.url + path, json=upstream_body, timeout=self.config.upstream_timeout_s
+        )
+        self.metrics.overhead.observe(time.perf_counter() - received)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            self._completed(routing, backend, policy, None, failed=True)
+            message = f"upstream {backend.url} failed: {error!r}"
+            return JSONResponse(api.error_body(message, 502), status_code=502)
+        if response.status_code != 200 or not stream:
+            return await self._whole(response, routing, backend, policy)
+        return StreamingResponse(
+            self._relay(response, routing, backend, policy, client_wants_usage),
+            media_type="text/event-stream",
+        )
+
+    async def _whole(
+        self, response: httpx.Response, routing: RoutingRequest, backend: Backend, policy: Policy
+    ) -> Response:
+        try:
+            content = await response.aread()
+        except httpx.HTTPError:
+            self._completed(routing, backend, policy, None, failed=True)
+            raise
+        finally:
+            await response.aclose()
+        cached = None
+        if response.status_code == 200:
+            self._first_token(routing, backend)
+            cached = _cached_tokens(json.loads(content).get("usage"))
+        self._completed(routing, backend, policy, cached, failed=response.status_code >= 500)
+        media = response.headers.get("content-type", "application/json")
+        return Response(content, status_code=response.status_code, media_type=media)
+
+    async def _relay(
+        self,
+        response: httpx.Response,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+        client_wants_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        cached: int | None = None
+        failed = True
+        first = True
+        try:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                if first:
+                    self._first_token(routing, backend)
+                    first = False
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage") and not chunk.get("choices"):
+                        cached = _cached_tokens(chunk["usage"])
+                        if not client_wants_usage:
+                            continue  # the gateway asked for it, the client did not
+                yield (line + "\n\n").encode()
+            failed = False
+        finally:
+            await response.aclose()
+            self._completed(routing, backend, policy, cached, failed=failed)
+
+    def _dispatched(self, routing: RoutingRequest, backend: Backend, policy: Policy) -> None:
+        state = backend.state
+        state.outstanding_requests += 1
+        state.outstanding_prefill_tokens += routing.predicted_uncached_tokens
+        state.dispatched += 1
+        policy.on_dispatch(routing, state)
+        self.metrics.decisions.labels(state.replica_id, policy.name).inc()
+        self.metrics.outstanding.labels(state.replica_id).set(state.outstanding_requests)
+        self._prefilling.add(routing.request_id)
+
+    def _first_token(self, routing: RoutingRequest, backend: Backend) -> None:
+        """The prefill is done (or never will be): its tokens leave the replica's queue."""
+        if routing.request_id in self._prefilling:
+            self._prefilling.discard(routing.request_id)
+            backend.state.outstanding_prefill_tokens -= routing.predicted_uncached_tokens
+
+    def _completed(
+        self,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+        cached: int | None,
+        failed: bool,
+    ) -> None:
+        """Release the load on every path: success, upstream error, client gone."""
+        self._first_token(routing, backend)
+        state = backend.state
+        state.outstanding_requests -= 1
+        policy.on_complete(routing, state)
+        self.metrics.outstanding.labels(state.replica_id).set(state.outstanding_requests)
+        if failed:
+            backend.upstream_errors += 1
+            self.metrics.errors.labels(state.replica_id).inc()
+        if cached is not None and routing.predicted_cached_tokens is not None:
+            backend.predicted_cached_tokens += routing.predicted_cached_tokens
+            backend.actual_cached_tokens += cached
+            self.metrics.predicted.labels(state.replica_id, policy.name).inc(
+                routing.predicted_cached_tokens
+            )
+            self.metrics.actual.labels(state.replica_id, policy.name).inc(cached)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "config": asdict(self.config),
+            "backends": [
+                {
+                    "url": b.url,
+                    "replica_id": b.state.replica_id,
+                    "dispatched": b.state.dispatched,
+                    "outstanding_requests": b.state.outstanding_requests,
+                    "outstanding_prefill_tokens": b.state.outstanding_prefill_tokens,
+                    "predicted_cached_tokens": b.predicted_cached_tokens,
+                    "actual_cached_tokens": b.actual_cached_tokens,
+                    "upstream_errors": b.upstream_errors,
+                    "kv_events": b.events_supported,
+                }
+                for b in self.pool.backends
+            ],
+        }
+
+
+def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return int(value) if value is not None else None
+
+
+class PolicyChange(BaseModel):
+    policy: str
+
+
+class BackendChange(BaseModel):
+    url: str
+    replica_id: str | None = None
+    capacity_blocks: int | None = None
+
+
+def create_app(
+    config: GatewayConfig | None = None, backends: list[str] | tuple[str, ...] = ()
+) -> FastAPI:
+    """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)."""
+    config = config or GatewayConfig()
+    holder: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client:
+            gateway = holder["gateway"] = app.state.gateway = Gateway(config, client)
+            for url in backends:
+                gateway.pool.add(url)
+            yield
+            await gateway.pool.close()
+
+    app = FastAPI(title="prefix-router gateway", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return api.bad_request(error)
+
+    async def parse(request: Request, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
+        try:
+            body = await request.json()
+        except ValueError as error:
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "json_invalid",
+                        "loc": ("body",),
+                        "msg": str(error),
+                        "ctx": {"error": str(error)},
+                    }
+                ]
+            ) from None
+        if not isinstance(body, dict):
+            raise RequestValidationError(
+                [{"type": "dict_type", "loc": ("body",), "msg": "the body must be a JSON object"}]
+            )
+        try:
+            return body, model.model_validate(body)
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        received = time.perf_counter()
+        body, parsed = await parse(request, api.CompletionRequest)
+        gateway = holder["gateway"]
+        if isinstance(parsed.prompt, str):
+            prompt = gateway.tokenizer.encode(parsed.prompt)
+        else:
+            if not all(0 <= t <= api.MAX_TOKEN_ID for t in parsed.prompt):
+                return JSONResponse(
+                    api.error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400
+                )
+            prompt = np.asarray(parsed.prompt, dtype=TOKEN_DTYPE)
+        routing = gateway.routing_request(prompt, parsed.cache_salt)
+        return await gateway.forward("/v1/completions", body, routing, parsed.stream, received)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
+        body, parsed = await parse(request, api.ChatCompletionRequest)
+        gateway = holder["gateway"]
+        prompt = gateway.tokenizer.apply_chat_template([m.model_dump() for m in parsed.messages])
+        routing = gateway.routing_request(prompt, parsed.cache_salt)
+        return await gateway.forward("/v1/chat/completions", body, routing, parsed.stream, received)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": config.model, "object": "model", "created": 0, "owned_by": "prefix-router"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        gateway = holder["gateway"]
+        status = 200 if gateway.pool.backends else 503
+        return JSONResponse(
+            {"status": "ok" if status == 200 else "no backends"}, status_code=status
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = holder["gateway"].metrics.registry
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return holder["gateway"].stats()
+
+    @app.post("/admin/policy")
+    async def set_policy(change: PolicyChange) -> Response:
+        if change.policy not in POLICIES:
+            message = f"unknown policy {change.policy!r}; known: {', '.join(POLICIES)}"
+            return JSONResponse(api.error_body(message, 400, "policy"), status_code=400)
+        holder["gateway"].switch_policy(change.policy)
+        return JSONResponse({"policy": change.policy})
+
+    @app.post("/admin/backends")
+    async def add_backend(change: BackendChange) -> Response:
+        try:
+            backend = holder["gateway"].pool.add(
+                change.url, change.replica_id, change.capacity_blocks
+            )
+        except ValueError as error:
+            return JSONResponse(api.error_body(str(error), 400, "url"), status_code=400)
+        return JSONResponse({"replica_id": backend.state.replica_id, "url": backend.url})
+
+    @app.delete("/admin/backends")
+    async def remove_backend(url: str) -> Response:
+        if not await holder["gateway"].pool.remove(url):
+            return JSONResponse(api.error_body(f"no backend {url!r}", 404, "url"), status_code=404)
+        return JSONResponse({"removed": url})
+
+    return app

@@ -1,0 +1,133 @@
+"""The replica's HTTP server, run as a real `prefix-router replica` process."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.servers import running
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a careful assistant. " * 60
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with running(["replica", "--speedup", "20", "--num-blocks", "2048"]) as (url,):
+        yield url
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=30)
+
+
+def test_completions_accept_text_and_token_ids_and_report_cached_tokens(replica):
+    first = post(replica, "/v1/completions", {"prompt": SYSTEM + "one", "max_tokens": 4}).json()
+    again = post(replica, "/v1/completions", {"prompt": SYSTEM + "two", "max_tokens": 4}).json()
+    assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"]
+    assert first["usage"]["completion_tokens"] == len(first["choices"][0]["text"]) // 4 == 4
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400
+    ids = post(replica, "/v1/completions", {"prompt": list(range(100, 180)), "max_tokens": 2})
+    assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 80
+
+
+def test_chat_streams_sse_with_usage_and_done(replica):
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", replica + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len(text) == 20
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_models_health_stats_and_metrics(replica):
+    assert httpx.get(replica + "/health").json() == {"status": "ok"}
+    models = httpx.get(replica + "/v1/models").json()
+    assert models["data"][0]["id"] == "sim-llama3-8b"
+    post(replica, "/v1/completions", {"prompt": SYSTEM, "max_tokens": 1})
+    stats = httpx.get(replica + "/stats").json()
+    assert stats["requests"] >= 1 and stats["cache"]["query_tokens"] > 0
+    metrics = httpx.get(replica + "/metrics").text
+    for name in (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_bucket",
+    ):
+        assert name in metrics, name
+    queries = next(
+        line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_queries_total")
+    )
+    assert float(queries.split()[-1]) == stats["cache"]["query_tokens"]
+
+
+def test_kv_events_follow_a_sequence_number_and_reset_clears(replica):
+    start = httpx.get(replica + "/kv_events", params={"since": 0}).json()
+    post(replica, "/v1/completions", {"prompt": "fresh words " * 40, "max_tokens": 1})
+    after = httpx.get(replica + "/kv_events", params={"since": start["last_seq"]}).json()
+    assert after["events"] and all(e["seq"] > start["last_seq"] for e in after["events"])
+    assert after["events"][0]["kind"] == "stored" and not after["lost"]
+    assert httpx.post(replica + "/reset").status_code == 200
+    cleared = httpx.get(replica + "/kv_events", params={"since": after["last_seq"]}).json()
+    assert [e["kind"] for e in cleared["events"]] == ["cleared"]
+    assert httpx.get(replica + "/stats").json()["cache"]["query_tokens"] == 0
+
+
+def test_reset_is_refused_while_requests_are_in_flight(replica):
+    body = {"prompt": "slow", "max_tokens": 20_000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()  # held: dropping it would close the stream
+        assert next(lines).startswith("data: ")
+        assert httpx.post(replica + "/reset").status_code == 409
+
+
+def test_a_client_that_disconnects_aborts_its_request(replica):
+    body = {"prompt": "abandoned", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())
+    for _ in range(50):
+        if httpx.get(replica + "/stats").json()["running"] == 0:
+            break
+        httpx.get(replica + "/health")
+    assert httpx.get(replica + "/stats").json()["running"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"prompt": [-1, 2]}, "prompt"),
+        ({"prompt": "x" * 400_000, "max_tokens": 1}, "exceeds the KV cache"),
+    ],
+)
+def test_bad_requests_get_a_400_naming_the_problem(replica, body, needle):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = post(replica, path, body)
+    assert response.status_code == 400
+    assert (
+        needle in response.json()["error"]["message"] or needle == response.json()["error"]["param"]
+    )
+
+
+def test_invalid_json_is_a_400(replica):
+    response = httpx.post(
+        replica + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]

@@ -1,0 +1,163 @@
+"""The gateway in front of real replica processes, driven by the official openai client."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import running
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You answer questions about the fleet. " * 50
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    replica = ["replica", "--speedup", "20", "--num-blocks", "2048"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas], "--policy", "cache_aware"]
+        with running(gateway) as (url,):
+            yield url, replicas
+
+
+@pytest.fixture
+def client(fleet):
+    return openai.OpenAI(base_url=fleet[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, question: str, system: str = SYSTEM, **kwargs):
+    return client.chat.completions.create(
+        model="sim-llama3-8b",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=4,
+        **kwargs,
+    )
+
+
+def test_the_openai_client_completes_chat_and_sees_cached_tokens_grow(client):
+    first = chat(client, "What is a replica?")
+    second = chat(client, "What is a router?")
+    assert first.choices[0].message.content and first.choices[0].finish_reason == "length"
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 400
+
+
+def test_the_openai_client_streams_through_the_gateway(client):
+    chat(client, "warm up", system="Stream system prompt. " * 40)
+    stream = chat(
+        client,
+        "Stream me an answer",
+        system="Stream system prompt. " * 40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text) == 16
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 200
+
+
+def test_completions_stream_and_not(client):
+    prompt = "Completion prompt words. " * 40
+    whole = client.completions.create(model="sim-llama3-8b", prompt=prompt, max_tokens=3)
+    assert whole.usage.completion_tokens == 3
+    streamed = list(
+        client.completions.create(model="sim-llama3-8b", prompt=prompt, max_tokens=3, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) and all(c.usage is None for c in streamed)
+
+
+def test_a_conversation_sticks_to_the_replica_that_holds_it(fleet, client):
+    url, _ = fleet
+    system = "Sticky conversation. " * 60
+    before = {b["url"]: b["dispatched"] for b in httpx.get(url + "/stats").json()["backends"]}
+    for turn in range(4):
+        reply = chat(client, f"turn {turn}", system=system)
+        if turn:
+            assert reply.usage.prompt_tokens_details.cached_tokens >= 300
+    after = {b["url"]: b["dispatched"] for b in httpx.get(url + "/stats").json()["backends"]}
+    assert sorted(after[u] - before[u] for u in after) == [0, 4]
+
+
+def test_predictions_match_what_replicas_report_and_load_returns_to_zero(fleet, client):
+    url, _ = fleet
+    for i in range(3):
+        chat(client, f"prediction {i}", system="Predicted prefix. " * 80)
+    stats = httpx.get(url + "/stats").json()
+    for backend in stats["backends"]:
+        assert backend["outstanding_requests"] == 0 and backend["outstanding_prefill_tokens"] == 0
+        assert abs(backend["predicted_cached_tokens"] - backend["actual_cached_tokens"]) <= 64 * 20
+        assert backend["kv_events"] is True
+    metrics = httpx.get(url + "/metrics").text
+    assert "prefix_router_routing_decisions_total" in metrics
+    assert "prefix_router_gateway_overhead_seconds_bucket" in metrics
+
+
+def test_a_client_that_disconnects_mid_stream_releases_the_load(fleet):
+    url, _ = fleet
+    body = {"prompt": "long answer", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    for _ in range(100):
+        backends = httpx.get(url + "/stats").json()["backends"]
+        if all(b["outstanding_requests"] == 0 for b in backends):
+            break
+    assert all(b["outstanding_requests"] == 0 for b in backends)
+
+
+def test_the_policy_can_be_switched_at_run_time(fleet, client):
+    url, _ = fleet
+    assert httpx.post(url + "/admin/policy", json={"policy": "round_robin"}).json() == {
+        "policy": "round_robin"
+    }
+    assert httpx.get(url + "/stats").json()["policy"] == "round_robin"
+    chat(client, "round robin now")
+    bad = httpx.post(url + "/admin/policy", json={"policy": "telepathy"})
+    assert bad.status_code == 400 and "unknown policy" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware"}).status_code == 200
+
+
+def test_backends_can_be_added_and_removed_at_run_time(fleet):
+    url, replicas = fleet
+    assert httpx.delete(url + "/admin/backends", params={"url": replicas[1]}).status_code == 200
+    assert [b["url"] for b in httpx.get(url + "/stats").json()["backends"]] == [replicas[0]]
+    body = {"prompt": "only one replica left", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    added = httpx.post(url + "/admin/backends", json={"url": replicas[1]})
+    assert added.status_code == 200
+    assert len(httpx.get(url + "/stats").json()["backends"]) == 2
+    assert httpx.post(url + "/admin/backends", json={"url": "ftp://x"}).status_code == 400
+    assert (
+        httpx.delete(url + "/admin/backends", params={"url": "http://nowhere"}).status_code == 404
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "stream": "maybe"}, "stream"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ],
+)
+def test_the_gateway_rejects_bad_input_with_a_clear_400(fleet, body, needle):
+    url, _ = fleet
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(url + path, json=body, timeout=30)
+    assert response.status_code == 400
+    assert needle in response.json()["error"]["message"]
+
+
+def test_the_gateway_rejects_invalid_json(fleet):
+    url, _ = fleet
+    response = httpx.post(
+        url + "/v1/completions", content=b"[1,", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+    response = httpx.post(url + "/v1/completions", content=json.dumps([1, 2]).encode())
+    assert response.status_code == 400
