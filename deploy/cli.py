@@ -57,7 +57,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(commands)
     add_replica_parser(commands)
     add_gateway_parser(commands)
+    add_serve_parser(commands)
     return parser
+
+
+def add_serve_parser(commands: Any) -> None:
+    from replica.server import ReplicaConfig
+    from router.gateway import GatewayConfig
+
+    parser = commands.add_parser(
+        "serve",
+        help="the embedded deployment: local Ray, N replica actors and the gateway",
+        description="Start a local Ray, N replica actors and the gateway; Ctrl-C stops all.",
+    )
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_config_flags(parser, GatewayConfig)
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from deploy.local import serve
+    from replica.server import ReplicaConfig
+    from router.gateway import GatewayConfig
+
+    gateway = GatewayConfig(**config_overrides(args, GatewayConfig))
+    overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
+    replica = ReplicaConfig(model=gateway.model, **overrides)
+    serve(args.replicas, replica, gateway, args.host, args.port)
+    return 0
 
 
 def add_gateway_parser(commands: Any) -> None:

@@ -131,3 +131,27 @@ class BackendPool:
             except (httpx.HTTPError, ValueError, KeyError) as error:
                 log.debug("kv events from %s: %s", backend.url, error)
             await asyncio.sleep(self._interval)
+
+
+async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:
+    """Keep the pool equal to the replica actors named ``prefix*`` in this Ray namespace.
+
+    Ray's look-ups block, so they run in a thread; actor calls are awaited, never
+    ``ray.get``. A new actor is asked for its URL (which starts its server).
+    """
+    import ray
+
+    while True:
+        try:
+            names = await asyncio.to_thread(ray.util.list_named_actors)
+            wanted = {name for name in names if name.startswith(prefix)}
+            known = {b.state.replica_id for b in pool.backends}
+            for name in sorted(wanted - known):
+                handle = await asyncio.to_thread(ray.get_actor, name)
+                url: str = await asyncio.wait_for(handle.url.remote(), timeout=60)
+                pool.add(url, replica_id=name)
+            for name in known - wanted:
+                await pool.remove(name)
+        except Exception as error:  # a replica mid-restart, Ray busy: try again next round
+            log.warning("following Ray replicas: %r", error)
+        await asyncio.sleep(interval_s)

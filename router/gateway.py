@@ -9,6 +9,7 @@ request ends, however it ends. It stays async end to end.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from replica import openai_api as api
 from replica.hashing import block_hashes, identity_seed
 from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer
-from router.backends import Backend, BackendPool
+from router.backends import Backend, BackendPool, follow_ray_replicas
 from router.policies import POLICIES, Policy, PolicyConfig, RoutingRequest, make_policy
 from router.prefix_index import IndexConfig
 
@@ -302,9 +303,13 @@ class BackendChange(BaseModel):
 
 
 def create_app(
-    config: GatewayConfig | None = None, backends: list[str] | tuple[str, ...] = ()
+    config: GatewayConfig | None = None,
+    backends: list[str] | tuple[str, ...] = (),
+    ray_replica_prefix: str | None = None,
 ) -> FastAPI:
-    """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)."""
+    """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)
+    and, given ``ray_replica_prefix``, to the replica actors of the current Ray
+    namespace whose names start with it (Ray must be initialised)."""
     config = config or GatewayConfig()
     holder: dict[str, Gateway] = {}
 
@@ -315,7 +320,13 @@ def create_app(
             gateway = holder["gateway"] = app.state.gateway = Gateway(config, client)
             for url in backends:
                 gateway.pool.add(url)
+            follower = None
+            if ray_replica_prefix is not None:
+                task = follow_ray_replicas(gateway.pool, ray_replica_prefix)
+                follower = asyncio.get_running_loop().create_task(task)
             yield
+            if follower is not None:
+                follower.cancel()
             await gateway.pool.close()
 
     app = FastAPI(title="prefix-router gateway", lifespan=lifespan)

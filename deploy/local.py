@@ -1,0 +1,59 @@
+"""``prefix-router serve``: the embedded default deployment, in the foreground.
+
+Starts a local Ray instance (bound to 127.0.0.1), N replica actors and the gateway in
+this process. Ctrl-C (or SIGTERM) stops the gateway, the actors and Ray, in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+import uvicorn
+
+from replica.actor import REPLICA_PREFIX, ReplicaActor
+from replica.server import ReplicaConfig
+from router.gateway import GatewayConfig, create_app
+
+NAMESPACE = "prefix-router"
+log = logging.getLogger(__name__)
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    ray.init(
+        num_cpus=num_cpus,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=100 * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def serve(
+    replicas: int,
+    replica: ReplicaConfig,
+    gateway: GatewayConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> None:
+    """Run until interrupted; everything started here is stopped on the way out."""
+    if replicas < 1:
+        raise ValueError("serve needs at least one replica")
+    start_local_ray()
+    actors = []
+    try:
+        actors = [
+            ReplicaActor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(replica, host)
+            for i in range(replicas)
+        ]
+        urls = ray.get([actor.url.remote() for actor in actors])
+        print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
+        print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
+        app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        ray.shutdown()

@@ -1,0 +1,62 @@
+"""`prefix-router serve`: a real local Ray, replica actors and the gateway, stopped by Ctrl-C."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import free_port, wait_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+def ray_processes() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "ray/core/src/ray/raylet"], capture_output=True, text=True)
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
+    before = ray_processes()
+    port = free_port()
+    command = [
+        sys.executable, "-m", "deploy.cli", "serve", "--replicas", "2", "--port", str(port),
+        "--replica-speedup", "20",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, timeout_s=120)
+        for _ in range(100):  # the gateway finds the replica actors by name
+            if len(httpx.get(url + "/stats").json()["backends"]) == 2:
+                break
+            time.sleep(0.1)
+        backends = httpx.get(url + "/stats").json()["backends"]
+        assert sorted(b["replica_id"] for b in backends) == ["replica-0", "replica-1"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        system = "Served by Ray actors. " * 50
+        replies = [
+            client.chat.completions.create(
+                model="sim-llama3-8b",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                max_tokens=3,
+            )
+            for q in ("first?", "second?")
+        ]
+        assert replies[1].usage.prompt_tokens_details.cached_tokens > 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, process.stderr.read() if process.stderr else ""
+    for _ in range(50):
+        if ray_processes() <= before:
+            break
+        time.sleep(0.2)
+    assert ray_processes() <= before, "serve left a Ray instance running"
