@@ -58,7 +58,72 @@ def build_parser() -> argparse.ArgumentParser:
     add_replica_parser(commands)
     add_gateway_parser(commands)
     add_serve_parser(commands)
+    add_cluster_parsers(commands)
     return parser
+
+
+def add_cluster_parsers(commands: Any) -> None:
+    from replica.server import ReplicaConfig
+    from router.gateway import GatewayConfig
+
+    up = commands.add_parser(
+        "up",
+        help="deploy (or rescale) replicas and the gateway onto a `ray start` cluster",
+        description="Detached replica actors spread over the nodes, the gateway on the head node.",
+    )
+    up.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    up.add_argument("--replicas", type=int, default=4)
+    up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
+    up.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    add_config_flags(up, GatewayConfig)
+    add_config_flags(up, ReplicaConfig, prefix="replica-", skip=("model",))
+    up.set_defaults(run=run_up)
+    for name, text, run in (
+        ("status", "list the replicas: nodes, URLs, health, hit rates", run_status),
+        ("down", "remove the gateway and the replicas", run_down),
+    ):
+        parser = commands.add_parser(name, help=text, description=text)
+        parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        parser.set_defaults(run=run)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from deploy import cluster
+    from replica.server import ReplicaConfig
+    from router.gateway import GatewayConfig
+
+    gateway = GatewayConfig(**config_overrides(args, GatewayConfig))
+    replica = ReplicaConfig(
+        model=gateway.model, **config_overrides(args, ReplicaConfig, prefix="replica_")
+    )
+    cluster.connect(args.address)
+    url, replicas = cluster.up(args.replicas, replica, gateway, args.host, args.port)
+    print(f"{len(replicas)} replicas: {', '.join(replicas)}")
+    print(f"gateway: {url}/v1")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from deploy import cluster
+
+    cluster.connect(args.address)
+    gateway, rows = cluster.status()
+    print(f"gateway: {gateway + '/v1' if gateway else 'not running'}")
+    print(f"{'replica':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}")
+    for row in rows:
+        rate = f"{row.token_hit_rate:.1%}" if row.token_hit_rate is not None else "-"
+        health = "ok" if row.healthy else "DOWN"
+        line = f"{row.name:<12} {row.node_id[:12]:<14} {row.url:<28} {health:<8}"
+        print(f"{line} {row.requests or 0:>8} {rate:>8}")
+    return 0 if all(row.healthy for row in rows) else 1
+
+
+def run_down(args: argparse.Namespace) -> int:
+    from deploy import cluster
+
+    cluster.connect(args.address)
+    print(f"removed {cluster.down()} actors")
+    return 0
 
 
 def add_serve_parser(commands: Any) -> None:

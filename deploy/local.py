@@ -7,6 +7,7 @@ this process. Ctrl-C (or SIGTERM) stops the gateway, the actors and Ray, in that
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 import uvicorn
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
+    # A single-machine Ray binds to loopback only when it is told it is no cluster.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
         num_cpus=num_cpus,
         namespace=NAMESPACE,

@@ -1,0 +1,124 @@
+"""Deployment onto a real `ray start --head` cluster, and onto two nodes."""
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from deploy import cluster
+from deploy.local import NAMESPACE
+from replica.server import ReplicaConfig
+from router.gateway import GatewayConfig
+from tests.servers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+LOOPBACK = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep Ray on 127.0.0.1
+
+
+def ray_cli(*args: str) -> subprocess.CompletedProcess:
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    return subprocess.run(
+        [ray, *args], capture_output=True, text=True, env=LOOPBACK, timeout=120, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[None]:
+    """`ray start --head` for this module; `ray stop` however the tests end."""
+    started = ray_cli(
+        "start", "--head", "--port", str(free_port()), "--num-cpus", "2",
+        "--include-dashboard", "false", "--disable-usage-stats",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    try:
+        yield
+    finally:
+        ray_cli("stop", "--force")
+
+
+def prefix_router(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "deploy.cli", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=LOOPBACK, timeout=300, check=False
+    )
+
+
+def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
+    port = free_port()
+    done = prefix_router(
+        "up", "--address", "auto", "--replicas", "2", "--port", str(port), "--replica-speedup", "20"
+    )
+    assert done.returncode == 0, done.stderr
+    gateway = f"http://127.0.0.1:{port}"
+    assert f"gateway: {gateway}/v1" in done.stdout
+    try:
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=3)
+        for question in ("one?", "two?"):
+            reply = client.chat.completions.create(
+                model="sim-llama3-8b",
+                messages=[
+                    {"role": "system", "content": "Cluster prompt. " * 60},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=3,
+            )
+        assert reply.usage.prompt_tokens_details.cached_tokens > 200
+        status = prefix_router("status", "--address", "auto")
+        assert status.returncode == 0, status.stderr
+        lines = [line for line in status.stdout.splitlines() if line.startswith("replica-")]
+        assert len(lines) == 2 and all(" ok " in line for line in lines)
+        first_url = lines[0].split()[2]
+
+        bigger = prefix_router("up", "--address", "auto", "--replicas", "3", "--port", str(port))
+        assert bigger.returncode == 0, bigger.stderr
+        assert first_url in bigger.stdout  # the replicas that stay keep their server (and cache)
+        smaller = prefix_router("up", "--address", "auto", "--replicas", "1", "--port", str(port))
+        assert smaller.returncode == 0 and "1 replicas" in smaller.stdout
+        for _ in range(50):
+            backends = httpx.get(gateway + "/stats").json()["backends"]
+            if [b["replica_id"] for b in backends] == ["replica-0"]:
+                break
+            __import__("time").sleep(0.1)
+        assert [b["replica_id"] for b in backends] == ["replica-0"]
+    finally:
+        down = prefix_router("down", "--address", "auto")
+    assert down.returncode == 0 and "removed 2 actors" in down.stdout
+    after = prefix_router("status", "--address", "auto")
+    assert "gateway: not running" in after.stdout
+    assert not [line for line in after.stdout.splitlines() if line.startswith("replica-")]
+
+
+def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
+    two_nodes = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": False,
+            "object_store_memory": 80 * 2**20,
+        },
+    )
+    two_nodes.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    try:
+        two_nodes.wait_for_nodes()
+        ray.init(address=two_nodes.address, namespace=NAMESPACE, log_to_driver=False)
+        url, _ = cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), port=free_port())
+        _, rows = cluster.status()
+        assert len({row.node_id for row in rows}) == 2, rows
+        assert all(row.healthy for row in rows)
+        assert (
+            httpx.post(
+                url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+            ).status_code
+            == 200
+        )
+        assert cluster.down() == 3
+    finally:
+        ray.shutdown()
+        two_nodes.shutdown()
