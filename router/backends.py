@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -134,24 +135,36 @@ class BackendPool:
 
 
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:
-    """Keep the pool equal to the replica actors named ``prefix*`` in this Ray namespace.
+    """Keep the pool equal to the live replica actors named ``prefix*`` in this namespace.
 
-    Ray's look-ups block, so they run in a thread; actor calls are awaited, never
-    ``ray.get``. A new actor is asked for its URL (which starts its server).
+    Every round asks each actor for its URL (which starts its server if needed): a
+    new actor is added, one that Ray restarted on another port is re-added with an
+    empty index, and one that is gone or not answering is removed until it answers
+    again. Ray's look-ups block, so they run in a thread; actor calls are awaited.
     """
     import ray
 
     while True:
         try:
             names = await asyncio.to_thread(ray.util.list_named_actors)
-            wanted = {name for name in names if name.startswith(prefix)}
-            known = {b.state.replica_id for b in pool.backends}
-            for name in sorted(wanted - known):
-                handle = await asyncio.to_thread(ray.get_actor, name)
-                url: str = await asyncio.wait_for(handle.url.remote(), timeout=60)
+            wanted = sorted(name for name in names if name.startswith(prefix))
+            urls = await asyncio.gather(*(_actor_url(ray, name) for name in wanted))
+            live = {name: url for name, url in zip(wanted, urls, strict=True) if url}
+            for backend in pool.backends:
+                name = backend.state.replica_id
+                if live.get(name) != backend.url:
+                    await pool.remove(name)
+            for name, url in live.items():
                 pool.add(url, replica_id=name)
-            for name in known - wanted:
-                await pool.remove(name)
-        except Exception as error:  # a replica mid-restart, Ray busy: try again next round
+        except Exception as error:  # Ray busy or restarting: try again next round
             log.warning("following Ray replicas: %r", error)
         await asyncio.sleep(interval_s)
+
+
+async def _actor_url(ray: Any, name: str, timeout_s: float = 10.0) -> str | None:
+    try:
+        handle = await asyncio.to_thread(ray.get_actor, name)
+        url: str = await asyncio.wait_for(handle.url.remote(), timeout=timeout_s)
+        return url
+    except Exception:  # dead, restarting, or removed since the listing
+        return None

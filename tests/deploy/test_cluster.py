@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -85,7 +86,7 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
             backends = httpx.get(gateway + "/stats").json()["backends"]
             if [b["replica_id"] for b in backends] == ["replica-0"]:
                 break
-            __import__("time").sleep(0.1)
+            time.sleep(0.1)
         assert [b["replica_id"] for b in backends] == ["replica-0"]
     finally:
         down = prefix_router("down", "--address", "auto")
@@ -93,6 +94,34 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
     after = prefix_router("status", "--address", "auto")
     assert "gateway: not running" in after.stdout
     assert not [line for line in after.stdout.splitlines() if line.startswith("replica-")]
+
+
+def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
+    port = free_port()
+    done = prefix_router(
+        "up", "--address", "auto", "--replicas", "2", "--port", str(port), "--replica-speedup", "20"
+    )
+    assert done.returncode == 0, done.stderr
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+        before = {
+            b["replica_id"]: b["url"] for b in httpx.get(gateway + "/stats").json()["backends"]
+        }
+        ray.kill(ray.get_actor("replica-1"), no_restart=False)  # as if its process died
+        for _ in range(300):
+            after = {
+                b["replica_id"]: b["url"] for b in httpx.get(gateway + "/stats").json()["backends"]
+            }
+            if after.get("replica-1") not in (None, before["replica-1"]):
+                break
+            time.sleep(0.1)
+        assert after["replica-0"] == before["replica-0"]
+        assert after["replica-1"] != before["replica-1"]  # restarted, re-admitted on a new port
+        assert httpx.get(after["replica-1"] + "/health").status_code == 200
+    finally:
+        ray.shutdown()
+        prefix_router("down", "--address", "auto")
 
 
 def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
