@@ -35,6 +35,7 @@ test: lint
 bench: $(INSTALLED)
 	$(BIN)/python -m benchmarks.bench_engine_core
 	$(BIN)/python -m benchmarks.bench_router
+	$(BIN)/python -m benchmarks.bench_gateway
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .mypy_cache .ruff_cache

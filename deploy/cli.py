@@ -177,7 +177,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     config = GatewayConfig(**config_overrides(args, GatewayConfig))
     app = create_app(config, args.backend)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
 
@@ -201,7 +201,9 @@ def run_replica(args: argparse.Namespace) -> int:
     from replica.server import ReplicaConfig, create_app
 
     config = ReplicaConfig(**config_overrides(args, ReplicaConfig))
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False
+    )
     return 0
 
 

@@ -40,7 +40,9 @@ class GatewayServer:
             host = self.host or ray.util.get_node_ip_address()
             app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
             server = uvicorn.Server(
-                uvicorn.Config(app, host=host, port=self.port, log_level="warning")
+                uvicorn.Config(
+                    app, host=host, port=self.port, log_level="warning", access_log=False
+                )
             )
             self._task = asyncio.get_running_loop().create_task(server.serve())
             while not server.started:

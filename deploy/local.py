@@ -55,7 +55,7 @@ def serve(
         print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
         print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
         app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)

@@ -44,7 +44,11 @@ class ReplicaServer:
                 host = self.host or ray.util.get_node_ip_address()
                 port = free_port(host)
                 config = uvicorn.Config(
-                    create_app(self.config), host=host, port=port, log_level="warning"
+                    create_app(self.config),
+                    host=host,
+                    port=port,
+                    log_level="warning",
+                    access_log=False,
                 )
                 self._server = uvicorn.Server(config)
                 self._task = asyncio.get_running_loop().create_task(self._server.serve())

@@ -2,7 +2,7 @@
 
 A backend is any OpenAI-compatible server (ours, vLLM, SGLang) known by URL. The
 pool keeps one :class:`~router.policies.ReplicaState` per backend for the policy,
-one pooled ``httpx.AsyncClient`` for all traffic, and, for backends that publish
+one pooled ``aiohttp.ClientSession`` for all traffic, and, for backends that publish
 them (ours), a task that polls ``/kv_events`` and hands new events to the policy.
 Backends can be added and removed while the gateway serves.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from replica.prefix_cache import KVEvent
 from router.policies import ReplicaState
@@ -41,7 +41,7 @@ class BackendPool:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         on_events: Callable[[ReplicaState, list[KVEvent]], None],
         on_removed: Callable[[ReplicaState], None],
         poll_interval_s: float = 0.05,
@@ -104,16 +104,10 @@ class BackendPool:
         """Follow a backend's KV events; stop quietly if it has none (vLLM, SGLang)."""
         while backend.events_supported:
             try:
-                response = await self.client.get(
-                    f"{backend.url}/kv_events",
-                    params={"since": backend.last_event_seq},
-                    timeout=5.0,
-                )
-                if response.status_code == 404:
+                body = await self._events_after(backend)
+                if body is None:
                     backend.events_supported = False
                     break
-                response.raise_for_status()
-                body = response.json()
                 events = [
                     KVEvent(
                         e["seq"],
@@ -129,9 +123,22 @@ class BackendPool:
                 if events:
                     self._on_events(backend.state, events)
                 backend.last_event_seq = body["last_seq"]
-            except (httpx.HTTPError, ValueError, KeyError) as error:
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
                 log.debug("kv events from %s: %s", backend.url, error)
             await asyncio.sleep(self._interval)
+
+    async def _events_after(self, backend: Backend) -> dict[str, Any] | None:
+        """The backend's ``/kv_events`` answer, or ``None`` if it has no such endpoint."""
+        async with self.client.get(
+            f"{backend.url}/kv_events",
+            params={"since": backend.last_event_seq},
+            timeout=aiohttp.ClientTimeout(total=5.0),
+        ) as response:
+            if response.status == 404:
+                return None
+            response.raise_for_status()
+            body: dict[str, Any] = await response.json()
+            return body
 
 
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:

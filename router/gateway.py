@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -102,7 +102,7 @@ class Metrics:
 class Gateway:
     """Routing state and the request path; :func:`create_app` wraps it in FastAPI."""
 
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, config: GatewayConfig, client: aiohttp.ClientSession) -> None:
         self.config = config
         self.tokenizer = ByteTokenizer()
         self.metrics = Metrics()
@@ -157,17 +157,14 @@ class Gateway:
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if stream and not client_wants_usage:  # ask for usage anyway, to learn cached tokens
             upstream_body = {**body, "stream_options": {"include_usage": True}}
-        request = self.client.build_request(
-            "POST", backend.url + path, json=upstream_body, timeout=self.config.upstream_timeout_s
-        )
         self.metrics.overhead.observe(time.perf_counter() - received)
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as error:
+            response = await self.client.post(backend.url + path, json=upstream_body)
+        except (aiohttp.ClientError, TimeoutError) as error:
             self._completed(routing, backend, policy, None, failed=True)
             message = f"upstream {backend.url} failed: {error!r}"
             return JSONResponse(api.error_body(message, 502), status_code=502)
-        if response.status_code != 200 or not stream:
+        if response.status != 200 or not stream:
             return await self._whole(response, routing, backend, policy)
         return StreamingResponse(
             self._relay(response, routing, backend, policy, client_wants_usage),
@@ -175,26 +172,30 @@ class Gateway:
         )
 
     async def _whole(
-        self, response: httpx.Response, routing: RoutingRequest, backend: Backend, policy: Policy
+        self,
+        response: aiohttp.ClientResponse,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
     ) -> Response:
         try:
-            content = await response.aread()
-        except httpx.HTTPError:
+            content = await response.read()
+        except (aiohttp.ClientError, TimeoutError):
             self._completed(routing, backend, policy, None, failed=True)
             raise
         finally:
-            await response.aclose()
+            response.release()
         cached = None
-        if response.status_code == 200:
+        if response.status == 200:
             self._first_token(routing, backend)
             cached = _cached_tokens(json.loads(content).get("usage"))
-        self._completed(routing, backend, policy, cached, failed=response.status_code >= 500)
+        self._completed(routing, backend, policy, cached, failed=response.status >= 500)
         media = response.headers.get("content-type", "application/json")
-        return Response(content, status_code=response.status_code, media_type=media)
+        return Response(content, status_code=response.status, media_type=media)
 
     async def _relay(
         self,
-        response: httpx.Response,
+        response: aiohttp.ClientResponse,
         routing: RoutingRequest,
         backend: Backend,
         policy: Policy,
@@ -204,7 +205,8 @@ class Gateway:
         failed = True
         first = True
         try:
-            async for line in response.aiter_lines():
+            async for raw in response.content:
+                line = raw.decode().rstrip("\r\n")
                 if not line:
                     continue
                 if first:
@@ -219,7 +221,7 @@ class Gateway:
                 yield (line + "\n\n").encode()
             failed = False
         finally:
-            await response.aclose()
+            response.release()
             self._completed(routing, backend, policy, cached, failed=failed)
 
     def _dispatched(self, routing: RoutingRequest, backend: Backend, policy: Policy) -> None:
@@ -315,8 +317,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits, timeout=config.upstream_timeout_s) as client:
+        connector = aiohttp.TCPConnector(limit=1024)
+        timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             gateway = holder["gateway"] = app.state.gateway = Gateway(config, client)
             for url in backends:
                 gateway.pool.add(url)
