@@ -23,8 +23,13 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def test_completions_accept_text_and_token_ids_and_report_cached_tokens(replica):
-    first = post(replica, "/v1/completions", {"prompt": SYSTEM + "one", "max_tokens": 4}).json()
-    again = post(replica, "/v1/completions", {"prompt": SYSTEM + "two", "max_tokens": 4}).json()
+    # ignore_eos: the simulated model may end a reply early, like a real one
+    first = post(
+        replica, "/v1/completions", {"prompt": SYSTEM + "one", "max_tokens": 4, "ignore_eos": True}
+    ).json()
+    again = post(
+        replica, "/v1/completions", {"prompt": SYSTEM + "two", "max_tokens": 4, "ignore_eos": True}
+    ).json()
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"]
     assert first["usage"]["completion_tokens"] == len(first["choices"][0]["text"]) // 4 == 4
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -32,6 +32,7 @@ def chat(client, question: str, system: str = SYSTEM, **kwargs):
         model="sim-llama3-8b",
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
         max_tokens=4,
+        extra_body={"ignore_eos": True},  # the simulated model may otherwise stop early
         **kwargs,
     )
 
@@ -61,7 +62,9 @@ def test_the_openai_client_streams_through_the_gateway(client):
 
 def test_completions_stream_and_not(client):
     prompt = "Completion prompt words. " * 40
-    whole = client.completions.create(model="sim-llama3-8b", prompt=prompt, max_tokens=3)
+    whole = client.completions.create(
+        model="sim-llama3-8b", prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert whole.usage.completion_tokens == 3
     streamed = list(
         client.completions.create(model="sim-llama3-8b", prompt=prompt, max_tokens=3, stream=True)
