@@ -1,10 +1,11 @@
 """Deployment onto a cluster started with ``ray start``: ``up``, ``status``, ``down``.
 
 ``up`` places detached, named replica actors (``replica-0`` ...) in a namespace,
-spread over the nodes, and the gateway as a detached actor on the head node, then
-returns: they outlive this command. Run again with another ``--replicas``, it adds
-or removes replicas from the end and keeps the others (and their caches). The
-gateway follows the replica actors by name, so it sees every change.
+spread over the nodes (Ray's SPREAD strategy), and the gateway as a detached actor
+on the head node, then returns: they outlive this command. Run again with another
+``--replicas``, it adds or removes replicas from the end and keeps the others (and
+their caches). The gateway follows the replica actors by name, so it sees every
+change.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, cast
 import httpx
 import ray
 import uvicorn
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.local import NAMESPACE
 from replica.actor import REPLICA_PREFIX, ReplicaActor
@@ -25,6 +25,7 @@ from router.gateway import GatewayConfig, create_app
 
 GATEWAY_NAME = "gateway"
 HEAD_RESOURCE = "node:__internal_head__"
+REPLICA_CPUS = 0.01
 
 
 class GatewayServer:
@@ -82,18 +83,17 @@ def up(
     for name in replica_names():
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
-    nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
     handles = [
         ReplicaActor.options(
             name=name,
             lifetime="detached",
             get_if_exists=True,
-            num_cpus=0,
-            # Replica i on node i mod n: spread evenly; soft, so Ray may place it
-            # elsewhere if that node is gone.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True),
+            # SPREAD balances what actors hold: a token CPU share makes it count them
+            # (with none it places them at random), and a restart may go to any node.
+            num_cpus=REPLICA_CPUS,
+            scheduling_strategy="SPREAD",
         ).remote(replica, host)
-        for i, name in enumerate(wanted)
+        for name in wanted
     ]
     urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
     front = GatewayActor.options(
