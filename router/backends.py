@@ -43,12 +43,14 @@ class BackendPool:
         self,
         client: aiohttp.ClientSession,
         on_events: Callable[[ReplicaState, list[KVEvent]], None],
+        on_added: Callable[[ReplicaState], None],
         on_removed: Callable[[ReplicaState], None],
         poll_interval_s: float = 0.05,
         default_capacity_blocks: int = 4096,
     ) -> None:
         self.client = client
         self._on_events = on_events
+        self._on_added = on_added
         self._on_removed = on_removed
         self._interval = poll_interval_s
         self._capacity = default_capacity_blocks
@@ -78,6 +80,7 @@ class BackendPool:
         name = replica_id or url
         backend = Backend(url, ReplicaState(name, capacity_blocks or self._capacity))
         self._backends[name] = backend
+        self._on_added(backend.state)
         backend._poller = asyncio.get_running_loop().create_task(self._poll(backend))
         return backend
 

@@ -115,6 +115,7 @@ class Gateway:
         self.pool = BackendPool(
             client,
             on_events=lambda state, events: self.policy.on_kv_events(state, events),
+            on_added=lambda state: self.policy.on_replica_added(state),
             on_removed=lambda state: self.policy.on_replica_removed(state),
             poll_interval_s=config.kv_events_interval_s,
             default_capacity_blocks=config.capacity_blocks,

@@ -226,12 +226,11 @@ class _Indexed(Policy):
             self.on_replica_added(replica)
 
     def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
-        for replica in replicas:
-            self._know(replica)
+        """Cached tokens of the replicas that hold any (absent: none)."""
         matched = self.index.match(request.stride_hashes)
         # The engine always computes at least the last prompt token.
         limit = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
-        return {r.replica_id: min(matched.get(r.replica_id, 0), limit) for r in replicas}
+        return {replica: min(tokens, limit) for replica, tokens in matched.items()}
 
 
 class CacheAware(_Indexed):
@@ -257,23 +256,20 @@ class CacheAware(_Indexed):
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         matched = self._matches(request, replicas)
-        load = {r.replica_id: self._load(r) for r in replicas}
+        loads = [self._load(r) for r in replicas]
         if not any(matched.values()):
             request.predicted_cached_tokens = 0
-            floor = min(load.values())
-            near = [
-                r for r in replicas if load[r.replica_id] <= floor + self.config.cold_slack_tokens
-            ]
+            ceiling = min(loads) + self.config.cold_slack_tokens
+            near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             return rendezvous(rendezvous_key(request), near)
-        weight = self.config.recompute_weight
-        cost = {
-            r.replica_id: weight * (request.num_prompt_tokens - matched[r.replica_id])
-            + load[r.replica_id]
-            for r in replicas
-        }
-        best = min(cost.values())
-        chosen = self._pick([r for r in replicas if cost[r.replica_id] == best])
-        request.predicted_cached_tokens = matched[chosen.replica_id]
+        weight, prompt = self.config.recompute_weight, request.num_prompt_tokens
+        costs = [
+            weight * (prompt - matched.get(r.replica_id, 0)) + load
+            for r, load in zip(replicas, loads, strict=True)
+        ]
+        best = min(costs)
+        chosen = self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
+        request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
         return chosen
 
     def _load(self, replica: ReplicaState) -> float:
@@ -319,13 +315,13 @@ class SGLangCacheAware(_Indexed):
         if high - low > config.balance_abs_threshold and high > config.balance_rel_threshold * low:
             chosen = self._least_loaded(replicas)
         else:
-            best = max(replicas, key=lambda r: matched[r.replica_id])
-            rate = matched[best.replica_id] / request.num_prompt_tokens
+            best = max(replicas, key=lambda r: matched.get(r.replica_id, 0))
+            rate = matched.get(best.replica_id, 0) / request.num_prompt_tokens
             if rate > config.cache_threshold:
                 chosen = best
             else:
                 chosen = min(replicas, key=lambda r: self.index.num_entries(r.replica_id))
-        request.predicted_cached_tokens = matched[chosen.replica_id]
+        request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
         return chosen
 
     def _index_capacity(self, replica: ReplicaState) -> int:
