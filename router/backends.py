@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +31,10 @@ class Backend:
     state: ReplicaState
     last_event_seq: int = 0
     events_supported: bool = True
-    predicted_cached_tokens: int = 0
-    actual_cached_tokens: int = 0
+    #: Per policy name: requests routed here, cached tokens predicted and reported.
+    decisions: Counter[str] = field(default_factory=Counter)
+    predicted: Counter[str] = field(default_factory=Counter)
+    actual: Counter[str] = field(default_factory=Counter)
     upstream_errors: int = 0
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
 
