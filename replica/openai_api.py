@@ -10,9 +10,12 @@ import time
 import uuid
 from typing import Any, Literal
 
+import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 #: Token ids are 32-bit (see replica.tokenizer).
 MAX_TOKEN_ID = 2**32 - 1
@@ -48,6 +51,14 @@ class CompletionRequest(_Common):
     def token_limit(self) -> int:
         return self.max_tokens or DEFAULT_COMPLETION_TOKENS
 
+    def token_ids(self, tokenizer: ByteTokenizer) -> np.ndarray | None:
+        """The prompt as token ids (text is tokenized); ``None`` if an id is out of range."""
+        if isinstance(self.prompt, str):
+            return tokenizer.encode(self.prompt)
+        if not all(0 <= t <= MAX_TOKEN_ID for t in self.prompt):
+            return None
+        return np.asarray(self.prompt, dtype=TOKEN_DTYPE)
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
@@ -60,6 +71,10 @@ class ChatCompletionRequest(_Common):
 
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
+
+
+def bad_token_ids() -> JSONResponse:
+    return JSONResponse(error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400)
 
 
 def new_id(prefix: str) -> str:

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 
-import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +26,6 @@ from replica.engine import Engine, EngineConfig, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.scheduler import SchedulerConfig
 from replica.sequence import EngineRequest
-from replica.tokenizer import TOKEN_DTYPE
 
 
 @dataclass(frozen=True)
@@ -204,14 +202,9 @@ def create_app(config: ReplicaConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest) -> Response:
-        if isinstance(body.prompt, str):
-            prompt = engine.tokenizer.encode(body.prompt)
-        else:
-            if not all(0 <= t <= api.MAX_TOKEN_ID for t in body.prompt):
-                return JSONResponse(
-                    api.error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400
-                )
-            prompt = np.asarray(body.prompt, dtype=TOKEN_DTYPE)
+        prompt = body.token_ids(engine.tokenizer)
+        if prompt is None:
+            return api.bad_token_ids()
         request = EngineRequest(
             api.new_id("cmpl"), prompt, body.token_limit(), body.ignore_eos, body.cache_salt
         )

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from replica import openai_api as api
 from replica.hashing import block_hashes, identity_seed
-from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer
+from replica.tokenizer import ByteTokenizer
 from router.backends import Backend, BackendPool, follow_ray_replicas
 from router.policies import POLICIES, Policy, PolicyConfig, RoutingRequest, make_policy
 from router.prefix_index import IndexConfig
@@ -363,14 +363,9 @@ def create_app(
         received = time.perf_counter()
         raw, parsed = await parse(request, api.CompletionRequest)
         gateway = holder["gateway"]
-        if isinstance(parsed.prompt, str):
-            prompt = gateway.tokenizer.encode(parsed.prompt)
-        else:
-            if not all(0 <= t <= api.MAX_TOKEN_ID for t in parsed.prompt):
-                return JSONResponse(
-                    api.error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400
-                )
-            prompt = np.asarray(parsed.prompt, dtype=TOKEN_DTYPE)
+        prompt = parsed.token_ids(gateway.tokenizer)
+        if prompt is None:
+            return api.bad_token_ids()
         routing = gateway.routing_request(prompt, parsed.cache_salt)
         return await gateway.forward("/v1/completions", raw, parsed, routing, received)
 
