@@ -1,0 +1,197 @@
+"""Locust users that play the replayer's sessions against an OpenAI-compatible gateway.
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000            # web UI
+    locust -f loadtest/locustfile.py --host URL --headless -u 16 -r 4 -t 2m
+
+Each user takes the next session of the seeded workload (``--workload chat`` or
+``trace:PATH``, the same generators as ``prefix-router replay``) and plays its turns
+in order, streaming every request. Besides each request's total time, Locust shows
+``TTFT`` (time to the first token) and ``ITL`` (mean time between tokens) as their
+own entries. The usage block's prompt and cached tokens are summed, so a client-side
+hit rate can be compared with the replicas' own (``--results-file``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from locust import HttpUser, constant, events, task
+from locust.env import Environment
+
+from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
+
+
+@events.init_command_line_parser.add_listener
+def add_options(parser: Any) -> None:
+    group = parser.add_argument_group("prefix-router workload")
+    group.add_argument(
+        "--workload", default="chat", env_var="PR_WORKLOAD", help="chat or trace:PATH"
+    )
+    group.add_argument("--workload-seed", type=int, default=0, env_var="PR_WORKLOAD_SEED")
+    group.add_argument(
+        "--chat-num-sessions",
+        type=int,
+        default=ChatConfig().num_sessions,
+        env_var="PR_CHAT_SESSIONS",
+    )
+    group.add_argument(
+        "--trace-limit", type=int, default=0, env_var="PR_TRACE_LIMIT", help="0: all"
+    )
+    group.add_argument(
+        "--think-time-scale",
+        type=float,
+        default=1.0,
+        env_var="PR_THINK_TIME_SCALE",
+        help="multiply the sessions' think times (0: no pauses)",
+    )
+    group.add_argument("--model", default="sim-llama3-8b", env_var="PR_MODEL")
+    group.add_argument(
+        "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
+    )
+
+
+class Sessions:
+    """The workload's sessions, handed out in order to whichever user asks next."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> Session | None:
+        with self._lock:
+            if self._next >= len(self.workload.sessions):
+                return None
+            self._next += 1
+            return self.workload.sessions[self._next - 1]
+
+
+class Tally:
+    """Client-side figures: requests, prompt and cached tokens from the usage blocks."""
+
+    def __init__(self) -> None:
+        self.requests = self.prompt_tokens = self.cached_tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "client_token_hit_rate": rate,
+        }
+
+
+SESSIONS: Sessions | None = None
+TALLY = Tally()
+
+
+@events.init.add_listener
+def load_sessions(environment: Environment, **_: Any) -> None:
+    global SESSIONS
+    options = environment.parsed_options
+    if options is None:
+        return
+    overrides: dict[str, Any] = {}
+    if options.workload == "chat":
+        overrides = {"seed": options.workload_seed, "num_sessions": options.chat_num_sessions}
+    elif options.trace_limit:
+        overrides = {"limit": options.trace_limit}
+    SESSIONS = Sessions(load_workload(options.workload, overrides))
+
+
+@events.quitting.add_listener
+def write_results(environment: Environment, **_: Any) -> None:
+    options = environment.parsed_options
+    if options is not None and options.results_file:
+        with open(options.results_file, "w", encoding="utf-8") as out:
+            json.dump(TALLY.as_dict(), out, indent=2)
+
+
+class ChatSessionUser(HttpUser):
+    """A closed-loop user: one session after another, each turn after its think time."""
+
+    wait_time = constant(0)
+
+    @task
+    def play_session(self) -> None:
+        assert SESSIONS is not None, "the workload is loaded at Locust's init event"
+        session = SESSIONS.take()
+        if session is None:
+            self.stop()  # every session has been played
+            return
+        scale = self.environment.parsed_options.think_time_scale
+        for turn in session.turns:
+            if turn.think_time_s and scale:
+                time.sleep(turn.think_time_s * scale)  # gevent-patched: yields to other users
+            self.send(turn)
+
+    def send(self, turn: Turn) -> None:
+        options = self.environment.parsed_options
+        body: dict[str, Any] = {
+            "model": options.model,
+            "max_tokens": turn.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if turn.messages is not None:
+            path, name = "/v1/chat/completions", "chat"
+            body["messages"] = list(turn.messages)
+        else:
+            path, name = "/v1/completions", "completion"
+            body["prompt"] = turn.prompt_token_ids.tolist()
+            turn.forget_prompt()
+        start = time.perf_counter()
+        first: float | None = None
+        last = start
+        tokens = 0
+        with self.client.post(
+            path, json=body, stream=True, catch_response=True, name=name
+        ) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            for line in response.iter_lines():
+                if not line or not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage") and not chunk.get("choices"):
+                    usage = chunk["usage"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    TALLY.add(usage["prompt_tokens"], details.get("cached_tokens") or 0)
+                    continue
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
+                    continue  # a role announcement, not a token
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                tokens += 1
+                last = now
+            if first is None:
+                response.failure("the stream ended without a token")
+                return
+        self._report("TTFT", name, (first - start) * 1000)
+        if tokens > 1:
+            self._report("ITL", name, (last - first) * 1000 / (tokens - 1))
+
+    def _report(self, kind: str, name: str, milliseconds: float) -> None:
+        self.environment.events.request.fire(
+            request_type=kind,
+            name=name,
+            response_time=milliseconds,
+            response_length=0,
+            exception=None,
+            context={},
+        )
