@@ -47,6 +47,14 @@ def add_options(parser: Any) -> None:
         env_var="PR_THINK_TIME_SCALE",
         help="multiply the sessions' think times (0: no pauses)",
     )
+    group.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        env_var="PR_ARRIVAL_RATE",
+        help="open loop: new sessions per second, whatever the answers' pace (0: closed loop; "
+        "traces keep their timestamps); run enough users to cover the concurrency",
+    )
     group.add_argument("--model", default="sim-llama3-8b", env_var="PR_MODEL")
     group.add_argument(
         "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
@@ -70,10 +78,12 @@ class Sessions:
 
 
 class Tally:
-    """Client-side figures: requests, prompt and cached tokens from the usage blocks."""
+    """Client-side figures: requests, prompt and cached tokens from the usage blocks,
+    and in open loop when each session started against when it was due."""
 
     def __init__(self) -> None:
         self.requests = self.prompt_tokens = self.cached_tokens = 0
+        self.session_starts: list[tuple[float, float]] = []  # (due, started), seconds
         self._lock = threading.Lock()
 
     def add(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -84,16 +94,25 @@ class Tally:
 
     def as_dict(self) -> dict[str, Any]:
         rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        late = sum(started - due > 0.1 for due, started in self.session_starts)
         return {
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "client_token_hit_rate": rate,
+            "session_starts": self.session_starts,
+            "late_session_starts": late,  # open loop with too few users to keep pace
         }
 
 
 SESSIONS: Sessions | None = None
 TALLY = Tally()
+TEST_START = [0.0]  # monotonic time the test started (open loop schedules from it)
+
+
+@events.test_start.add_listener
+def mark_start(**_: Any) -> None:
+    TEST_START[0] = time.monotonic()
 
 
 @events.init.add_listener
@@ -105,6 +124,8 @@ def load_sessions(environment: Environment, **_: Any) -> None:
     overrides: dict[str, Any] = {}
     if options.workload == "chat":
         overrides = {"seed": options.workload_seed, "num_sessions": options.chat_num_sessions}
+        if options.arrival_rate > 0:
+            overrides["session_rate"] = options.arrival_rate
     elif options.trace_limit:
         overrides = {"limit": options.trace_limit}
     SESSIONS = Sessions(load_workload(options.workload, overrides))
@@ -130,11 +151,22 @@ class ChatSessionUser(HttpUser):
         if session is None:
             self.stop()  # every session has been played
             return
-        scale = self.environment.parsed_options.think_time_scale
+        options = self.environment.parsed_options
+        if options.arrival_rate > 0 or SESSIONS.workload.arrival == "trace":
+            self.wait_until_due(session)
+        scale = options.think_time_scale
         for turn in session.turns:
             if turn.think_time_s and scale:
                 time.sleep(turn.think_time_s * scale)  # gevent-patched: yields to other users
             self.send(turn)
+
+    def wait_until_due(self, session: Session) -> None:
+        """Open loop: a session starts at its scheduled time, not when a user is free."""
+        due = session.start_time_s
+        delay = TEST_START[0] + due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        TALLY.session_starts.append((due, time.monotonic() - TEST_START[0]))
 
     def send(self, turn: Turn) -> None:
         options = self.environment.parsed_options
