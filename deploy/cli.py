@@ -155,6 +155,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_http(app: Any, host: str, port: int) -> None:
+    """Serve an ASGI app in the foreground until interrupted (quiet: no access log)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
 def add_gateway_parser(commands: Any) -> None:
     from router.gateway import GatewayConfig
 
@@ -171,13 +178,10 @@ def add_gateway_parser(commands: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.gateway import GatewayConfig, create_app
 
     config = GatewayConfig(**config_overrides(args, GatewayConfig))
-    app = create_app(config, args.backend)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    serve_http(create_app(config, args.backend), args.host, args.port)
     return 0
 
 
@@ -196,14 +200,10 @@ def add_replica_parser(commands: Any) -> None:
 
 
 def run_replica(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from replica.server import ReplicaConfig, create_app
 
     config = ReplicaConfig(**config_overrides(args, ReplicaConfig))
-    uvicorn.run(
-        create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False
-    )
+    serve_http(create_app(config), args.host, args.port)
     return 0
 
 

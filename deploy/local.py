@@ -10,8 +10,8 @@ import logging
 import os
 
 import ray
-import uvicorn
 
+from deploy.cli import serve_http
 from replica.actor import REPLICA_PREFIX, ReplicaActor
 from replica.server import ReplicaConfig
 from router.gateway import GatewayConfig, create_app
@@ -55,7 +55,7 @@ def serve(
         print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
         print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
         app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        serve_http(app, host, port)
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)

@@ -1,6 +1,6 @@
-"""Paths to the project's shared material, which lies beside the repository."""
+"""Data the tests read: the head of the Mooncake trace, shipped with the tests."""
 
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-MOONCAKE_TRACE = SHARED / "traces" / "mooncake_conversation.jsonl"
+#: The first 400 requests of ../shared/traces/mooncake_conversation.jsonl (see data/README.md).
+MOONCAKE_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head.jsonl"

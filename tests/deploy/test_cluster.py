@@ -51,13 +51,18 @@ def prefix_router(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
+def up_two_replicas() -> tuple[int, str, subprocess.CompletedProcess]:
+    """`prefix-router up` with 2 replicas; the gateway's port and URL, and the output."""
     port = free_port()
     done = prefix_router(
         "up", "--address", "auto", "--replicas", "2", "--port", str(port), "--replica-speedup", "20"
     )
     assert done.returncode == 0, done.stderr
-    gateway = f"http://127.0.0.1:{port}"
+    return port, f"http://127.0.0.1:{port}", done
+
+
+def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
+    port, gateway, done = up_two_replicas()
     assert f"gateway: {gateway}/v1" in done.stdout
     try:
         client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=3)
@@ -97,12 +102,7 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
 
 
 def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
-    port = free_port()
-    done = prefix_router(
-        "up", "--address", "auto", "--replicas", "2", "--port", str(port), "--replica-speedup", "20"
-    )
-    assert done.returncode == 0, done.stderr
-    gateway = f"http://127.0.0.1:{port}"
+    _, gateway, _ = up_two_replicas()
     try:
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
         before = {
