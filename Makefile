@@ -16,13 +16,10 @@ $(INSTALLED): pyproject.toml | $(BIN)/python
 
 install: $(INSTALLED)
 
-# The main job, until the live stack lands: offline replays in virtual time.
-# 1. The seed chapter's experiment: one engine, a capacity sweep.
-# 2. Routing policies on a 4-replica fleet, with the report and charts in reports/fleet.
+# The main job: round_robin against cache_aware under real HTTP load (Locust) on an
+# embedded deployment of 4 replicas, with the report and charts in reports/bench.
 demo: $(INSTALLED)
-	$(BIN)/prefix-router replay --workload chat --replicas 1 --policies round_robin \
-		--sweep-capacity 1024,2048,4096,8192,16384 --out reports/seed
-	$(BIN)/prefix-router replay --workload chat --replicas 4 --out reports/fleet
+	$(BIN)/prefix-router bench --out reports/bench
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -10,12 +10,17 @@ from typing import Any
 
 
 def add_config_flags(
-    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: Sequence[str] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    skip: Sequence[str] = (),
+    env_prefix: str | None = None,
 ) -> None:
     """One ``--prefix-name`` flag per scalar field of dataclass ``cls``.
 
     Flags default to ``None`` (their help shows the dataclass default), so
-    :func:`config_overrides` returns exactly what the user gave.
+    :func:`config_overrides` returns exactly what the user gave. With ``env_prefix``
+    (for Locust's configargparse parser) each flag also reads ``ENV_PREFIX_NAME``.
     """
     group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
     for field in dataclasses.fields(cls):
@@ -26,13 +31,16 @@ def add_config_flags(
             continue
         flag = f"--{prefix}{field.name.replace('_', '-')}"
         dest = _dest(prefix, field.name)
+        extra: dict[str, Any] = {}
+        if env_prefix is not None:
+            extra["env_var"] = f"{env_prefix}{field.name}".upper()
         if kind is bool:
             action: Any = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=dest, action=action, default=None)
+            group.add_argument(flag, dest=dest, action=action, default=None, **extra)
         else:
             metavar = kind.__name__.upper()
             help_text = f"default: {field.default}"
-            group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=help_text)
+            group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=help_text, **extra)
 
 
 def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
@@ -50,11 +58,13 @@ def _dest(prefix: str, name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loadtest.bench_cli import add_bench_parser
     from loadtest.replay_cli import add_replay_parser
 
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(commands)
+    add_bench_parser(commands)
     add_replica_parser(commands)
     add_gateway_parser(commands)
     add_serve_parser(commands)

@@ -8,7 +8,9 @@ Each user takes the next session of the seeded workload (``--workload chat`` or
 in order, streaming every request. Besides each request's total time, Locust shows
 ``TTFT`` (time to the first token) and ``ITL`` (mean time between tokens) as their
 own entries. The usage block's prompt and cached tokens are summed, so a client-side
-hit rate can be compared with the replicas' own (``--results-file``).
+hit rate can be compared with the replicas' own (``--results-file``). The chat
+workload takes ``prefix-router replay``'s ``--chat-*`` flags (or ``PR_CHAT_*``
+variables). Once every session has been played, the test ends.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import threading
 import time
 from typing import Any
 
+import gevent
 from locust import HttpUser, constant, events, task
 from locust.env import Environment
 
+from deploy.cli import add_config_flags, config_overrides
 from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
 
 
@@ -31,12 +35,6 @@ def add_options(parser: Any) -> None:
         "--workload", default="chat", env_var="PR_WORKLOAD", help="chat or trace:PATH"
     )
     group.add_argument("--workload-seed", type=int, default=0, env_var="PR_WORKLOAD_SEED")
-    group.add_argument(
-        "--chat-num-sessions",
-        type=int,
-        default=ChatConfig().num_sessions,
-        env_var="PR_CHAT_SESSIONS",
-    )
     group.add_argument(
         "--trace-limit", type=int, default=0, env_var="PR_TRACE_LIMIT", help="0: all"
     )
@@ -59,6 +57,8 @@ def add_options(parser: Any) -> None:
     group.add_argument(
         "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
     )
+    # The chat workload's parameters, as ``prefix-router replay`` takes them.
+    add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",), env_prefix="PR_CHAT_")
 
 
 class Sessions:
@@ -67,7 +67,14 @@ class Sessions:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self._next = 0
+        self._finished = 0
         self._lock = threading.Lock()
+
+    def finish(self) -> bool:
+        """Count one session played; True once every session has been."""
+        with self._lock:
+            self._finished += 1
+            return self._finished == len(self.workload.sessions)
 
     def take(self) -> Session | None:
         with self._lock:
@@ -84,6 +91,8 @@ class Tally:
     def __init__(self) -> None:
         self.requests = self.prompt_tokens = self.cached_tokens = 0
         self.session_starts: list[tuple[float, float]] = []  # (due, started), seconds
+        self.ttft_s: list[float] = []
+        self.e2e_s: list[float] = []
         self._lock = threading.Lock()
 
     def add(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -91,6 +100,11 @@ class Tally:
             self.requests += 1
             self.prompt_tokens += prompt_tokens
             self.cached_tokens += cached_tokens
+
+    def add_latency(self, ttft_s: float, e2e_s: float) -> None:
+        with self._lock:
+            self.ttft_s.append(ttft_s)
+            self.e2e_s.append(e2e_s)
 
     def as_dict(self) -> dict[str, Any]:
         rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
@@ -102,6 +116,8 @@ class Tally:
             "client_token_hit_rate": rate,
             "session_starts": self.session_starts,
             "late_session_starts": late,  # open loop with too few users to keep pace
+            "ttft_s": self.ttft_s,  # per streamed request, exact (Locust's are bucketed)
+            "e2e_s": self.e2e_s,
         }
 
 
@@ -123,7 +139,8 @@ def load_sessions(environment: Environment, **_: Any) -> None:
         return
     overrides: dict[str, Any] = {}
     if options.workload == "chat":
-        overrides = {"seed": options.workload_seed, "num_sessions": options.chat_num_sessions}
+        overrides = config_overrides(options, ChatConfig, prefix="chat_")
+        overrides["seed"] = options.workload_seed
         if options.arrival_rate > 0:
             overrides["session_rate"] = options.arrival_rate
     elif options.trace_limit:
@@ -159,6 +176,10 @@ class ChatSessionUser(HttpUser):
             if turn.think_time_s and scale:
                 time.sleep(turn.think_time_s * scale)  # gevent-patched: yields to other users
             self.send(turn)
+        if SESSIONS.finish() and self.environment.runner is not None:
+            # The whole workload is played: end the test now rather than at --run-time.
+            # (a moment later, so the last request's figures reach Locust's statistics)
+            gevent.spawn_later(1.0, self.environment.runner.quit)
 
     def wait_until_due(self, session: Session) -> None:
         """Open loop: a session starts at its scheduled time, not when a user is free."""
@@ -211,9 +232,13 @@ class ChatSessionUser(HttpUser):
                     first = now
                 tokens += 1
                 last = now
+            end = time.perf_counter()
+            # Locust timed the headers only (stream=True): report the whole answer.
+            response.request_meta["response_time"] = (end - start) * 1000
             if first is None:
                 response.failure("the stream ended without a token")
                 return
+        TALLY.add_latency(first - start, end - start)
         self._report("TTFT", name, (first - start) * 1000)
         if tokens > 1:
             self._report("ITL", name, (last - first) * 1000 / (tokens - 1))

@@ -54,8 +54,8 @@ def ttft_chart(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
 
 
 def load_chart(rows: Sequence[Row], path: Path) -> None:
-    """Requests sent to each replica, grouped by policy."""
-    measured = [r for r in rows if r.get("policy") and r.get("requests_per_replica")]
+    """Requests sent to each replica, grouped by row (pass the measured rows)."""
+    measured = [r for r in rows if r.get("requests_per_replica")]
     replicas = max((len(r["requests_per_replica"]) for r in measured), default=0)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(measured) + 2), 4))
     width = 0.8 / max(replicas, 1)
@@ -75,6 +75,50 @@ def load_chart(rows: Sequence[Row], path: Path) -> None:
     ax.set_title("Requests per replica")
     if replicas <= 8:
         ax.legend(fontsize=7, ncol=2)
+    _save(fig, path)
+
+
+def live_hit_rate_chart(rows: Sequence[Row], path: Path) -> None:
+    """Per policy: the engines' token hit rate, the clients' and the replay's prediction."""
+    series = (
+        ("token_hit_rate", "engines", "#4C72B0"),
+        ("client_token_hit_rate", "clients (usage)", "#55A868"),
+        ("replay_token_hit_rate", "replay prediction", "#BBBBBB"),
+    )
+    _grouped_bars(rows, series, path, "token hit rate (%)", "Prefix-cache hit rate", 100, "%.1f")
+
+
+def ttft_percentiles_chart(rows: Sequence[Row], path: Path) -> None:
+    """Per policy: time to first token at the median and the 99th percentile."""
+    series = (
+        ("ttft_p50_s", "TTFT p50", "#4C72B0"),
+        ("ttft_p99_s", "TTFT p99", "#C44E52"),
+        ("replay_ttft_p99_s", "replay p99", "#BBBBBB"),
+    )
+    _grouped_bars(rows, series, path, "milliseconds", "Time to first token", 1000, "%.0f")
+
+
+def _grouped_bars(
+    rows: Sequence[Row],
+    series: Sequence[tuple[str, str, str]],
+    path: Path,
+    ylabel: str,
+    title: str,
+    scale: float,
+    fmt: str,
+) -> None:
+    present = [s for s in series if any(r.get(s[0]) is not None for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(rows) + 2), 4))
+    width = 0.8 / max(len(present), 1)
+    for index, (key, name, color) in enumerate(present):
+        values = [scale * (r.get(key) or 0) for r in rows]
+        bars = ax.bar(np.arange(len(rows)) + index * width, values, width, label=name, color=color)
+        ax.bar_label(bars, fmt=fmt, fontsize=7)
+    ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, [r["label"] for r in rows], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.margins(y=0.12)  # room for the bar labels
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(present))
     _save(fig, path)
 
 

@@ -27,6 +27,7 @@ from loadtest.report import (
     reference_row,
     replay_row,
     ttft_values,
+    version,
     write_json,
 )
 from loadtest.workloads import ChatConfig, Workload, load_workload
@@ -171,7 +172,7 @@ def run_replay(args: argparse.Namespace) -> int:
             rows += _reference_rows(workload, config, results[0], sweep_key, args)
         _relate_to_bound(rows[-len(policies) - (0 if args.no_reference else 2) :])
     print(format_table(rows, TABLE_KEYS))
-    meta = {"seed": configs[0].seed, "command": command_line(), "version": _version()}
+    meta = {"seed": configs[0].seed, "command": command_line(), "version": version()}
     if args.json:
         write_json(args.json, rows, meta)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -242,7 +243,7 @@ def _write_report(
     charts = ["hit_rate.png", "ttft.png", "load.png"]
     plots.hit_rate_chart(rows, out / charts[0])
     plots.ttft_chart(ttfts, out / charts[1])
-    plots.load_chart(rows, out / charts[2])
+    plots.load_chart([r for r in rows if r.get("policy")], out / charts[2])
     if sweep_key:
         charts.append("sweep.png")
         plots.sweep_chart(rows, sweep_key, out / charts[-1])
@@ -263,12 +264,3 @@ def _write_report(
     ]
     (out / "report.md").write_text("\n".join(lines))
     print(f"wrote {out / 'report.md'}", file=sys.stderr)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("prefix-router")
-    except PackageNotFoundError:
-        return "unknown"

@@ -128,7 +128,7 @@ def _cell(value: Any, key: str) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if key.endswith("_rate") or key in ("prediction_accuracy",):
+        if key.endswith("_rate") or key in ("prediction_accuracy", "cpu_busy", "cpu_busy_peak"):
             return f"{value:.1%}"
         if key.endswith("_s"):
             return f"{value * 1000:.0f}ms" if value < 10 else f"{value:.1f}s"
@@ -155,3 +155,12 @@ def write_json(path: str | Path, rows: Sequence[Row], meta: dict[str, Any]) -> N
 
 def command_line() -> str:
     return " ".join(["prefix-router", *sys.argv[1:]])
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("prefix-router")
+    except PackageNotFoundError:
+        return "unknown"

@@ -31,10 +31,13 @@ class Backend:
     state: ReplicaState
     last_event_seq: int = 0
     events_supported: bool = True
-    #: Per policy name: requests routed here, cached tokens predicted and reported.
+    #: Per policy name: requests routed here, cached tokens predicted and reported,
+    #: requests with a prediction and those predicted within one router stride.
     decisions: Counter[str] = field(default_factory=Counter)
     predicted: Counter[str] = field(default_factory=Counter)
     actual: Counter[str] = field(default_factory=Counter)
+    predictions: Counter[str] = field(default_factory=Counter)
+    close_predictions: Counter[str] = field(default_factory=Counter)
     upstream_errors: int = 0
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
 

@@ -276,6 +276,10 @@ class Gateway:
         if cached is not None and routing.predicted_cached_tokens is not None:
             backend.predicted[policy.name] += routing.predicted_cached_tokens
             backend.actual[policy.name] += cached
+            backend.predictions[policy.name] += 1
+            stride_tokens = self.config.block_size * self.config.stride
+            if abs(routing.predicted_cached_tokens - cached) < stride_tokens:
+                backend.close_predictions[policy.name] += 1
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -290,6 +294,14 @@ class Gateway:
                     "outstanding_prefill_tokens": b.state.outstanding_prefill_tokens,
                     "predicted_cached_tokens": sum(b.predicted.values()),
                     "actual_cached_tokens": sum(b.actual.values()),
+                    "by_policy": {
+                        name: {
+                            "requests": b.decisions[name],
+                            "predictions": b.predictions[name],
+                            "close_predictions": b.close_predictions[name],
+                        }
+                        for name in b.decisions
+                    },
                     "upstream_errors": b.upstream_errors,
                     "kv_events": b.events_supported,
                 }

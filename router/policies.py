@@ -10,6 +10,7 @@ are passed in, never global.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -71,6 +72,9 @@ class PolicyConfig:
     #: cache_aware: a cold prefix may go to any replica within this much work of the
     #: least loaded; among them the rendezvous choice wins, so routers agree.
     cold_slack_tokens: float = 512.0
+    #: cache_aware: no replica takes a request while it has more than this many times
+    #: the fleet's mean outstanding requests (consistent hashing with bounded loads).
+    load_bound: float = 1.5
     #: sglang_cache_aware: SGLang router's defaults.
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -244,6 +248,11 @@ class CacheAware(_Indexed):
     this request, while a token computed again is work every later request on that
     replica waits for, and leaves a cached prefix behind: hence the weight (4).
 
+    Only replicas under a load cap compete: fewer outstanding requests than
+    ``load_bound`` (1.5) times the fleet's mean, counting this request (consistent
+    hashing with bounded loads, Mirrokni et al. 2018). At light load the cost terms
+    hardly weigh, so without the cap a popular app's sessions pile onto one replica.
+
     A hot shared prompt cached on one replica is copied to another as soon as the
     first replica's queue outweighs the copy, so it never stays pinned while others
     idle; each request weighs its own cached tokens, so affinity is never dropped for
@@ -255,6 +264,7 @@ class CacheAware(_Indexed):
     name = "cache_aware"
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        replicas = self._within_bound(replicas)
         matched = self._matches(request, replicas)
         loads = [self._load(r) for r in replicas]
         if not any(matched.values()):
@@ -271,6 +281,11 @@ class CacheAware(_Indexed):
         chosen = self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
         return chosen
+
+    def _within_bound(self, replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState]:
+        total = sum(r.outstanding_requests for r in replicas) + 1
+        cap = math.ceil(self.config.load_bound * total / len(replicas))
+        return [r for r in replicas if r.outstanding_requests < cap] or replicas
 
     def _load(self, replica: ReplicaState) -> float:
         return (

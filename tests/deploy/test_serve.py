@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, wait_healthy
+from tests.servers import free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -29,7 +29,7 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, timeout_s=120)
+        wait_until(url, process, timeout_s=120)
         for _ in range(100):  # the gateway finds the replica actors by name
             if len(httpx.get(url + "/stats").json()["backends"]) == 2:
                 break

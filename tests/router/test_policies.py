@@ -143,11 +143,24 @@ def test_cache_aware_keeps_affinity_for_long_prefixes_when_a_replica_is_busy():
     for req in (request(long_history, "long"), request(short_history, "short")):
         chosen = pol.choose(req, [replicas[0]])  # both cached on replica-0
         pol.on_dispatch(req, chosen)
-    replicas[0].outstanding_requests = 6
+    replicas[0].outstanding_requests, replicas[1].outstanding_requests = 6, 3  # within bound
     replicas[0].outstanding_prefill_tokens = 1000  # busy, but not 8,000 tokens busy
     stay = pol.choose(request(np.concatenate((long_history, prompt(40, 7))), "l2"), replicas)
     move = pol.choose(request(np.concatenate((short_history, prompt(40, 7))), "s2"), replicas)
     assert stay.replica_id == "replica-0" and move.replica_id == "replica-1"
+
+
+def test_cache_aware_sends_nothing_to_a_replica_over_its_load_bound():
+    replicas, pol = fleet(2), policy("cache_aware")
+    history = prompt(8000)
+    home = dispatch(pol, request(history, "turn-1"), replicas)
+    other = next(r for r in replicas if r is not home)
+    follow_up = request(np.concatenate((history, prompt(40, 7))), "turn-2")
+    # The cap counts the new request: ceil(1.5 x (3 + 1) / 2) = 3, so 3 is at it...
+    home.outstanding_requests = 3
+    assert pol.choose(follow_up, replicas) is other
+    home.outstanding_requests = 2  # ...and 2 under it (ceil(1.5 x 3 / 2) = 3): affinity wins
+    assert pol.choose(follow_up, replicas) is home
 
 
 def test_cache_aware_forgets_a_removed_replica():

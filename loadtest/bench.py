@@ -1,0 +1,453 @@
+"""``prefix-router bench``: routing policies compared under real HTTP load.
+
+For each policy in turn: reset every replica's cache and statistics, switch the
+gateway to the policy, play the same seeded workload with Locust (headless, in its
+own process) until every session is done, then collect Locust's figures, the
+client's, the replicas' and the gateway's into one row (DESIGN.md section 7). Beside
+each live row stands the offline replay's prediction for the same workload and fleet.
+
+Targets: the embedded deployment (default: ``prefix-router serve`` in a subprocess,
+stopped at the end), the gateway that ``prefix-router up`` put on a ``ray start``
+cluster (``--address auto``), or any gateway or OpenAI-compatible server
+(``--gateway URL``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+from tqdm import tqdm
+
+from deploy import processes
+from loadtest.replay import ReplayConfig, replay
+from loadtest.report import ROW_KEYS, Row, replay_row
+from loadtest.workloads import ChatConfig, Workload, load_workload
+from router.policies import POLICIES
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+#: The default load: a chat service a 2-core machine can drive without becoming the
+#: bottleneck (Locust, gateway and four replicas together stay near half the CPU), in
+#: about two minutes per policy. 180 sessions start at 3 per second; users think 3 s
+#: between turns and get 120-token replies (shorter than ChatConfig's 8 s and 250, so
+#: sessions finish within the run and the token stream stays light); at most 8 turns.
+BENCH_CHAT: dict[str, Any] = {
+    "num_sessions": 180,
+    "session_rate": 3.0,
+    "think_time_s": 3.0,
+    "reply_tokens": 120,
+    "max_turns": 8,
+}
+#: Blocks per replica in the embedded deployment: 16k tokens, room for the four
+#: system prompts and a few dozen live sessions, not for every session everywhere.
+BENCH_REPLICA_BLOCKS = 1024
+#: A live hit rate further than this from the replay's prediction is flagged.
+REPLAY_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    policies: tuple[str, ...] = ("round_robin", "cache_aware")
+    workload: str = "chat"
+    #: Overrides of the chat workload's parameters (on top of :data:`BENCH_CHAT`).
+    chat: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    model: str = "sim-llama3-8b"
+    #: Traces: play only the first ``trace_limit`` requests (0: all).
+    trace_limit: int = 0
+    #: Locust users: enough that every session starts on time (open loop).
+    users: int = 64
+    #: Upper bound per policy; a run ends as soon as every session has been played.
+    run_time_s: float = 240.0
+    predict: bool = True
+    progress: bool = True
+
+    def chat_config(self) -> dict[str, Any]:
+        return {**BENCH_CHAT, **self.chat, "seed": self.seed}
+
+    def load(self) -> Workload:
+        if self.workload == "chat":
+            return load_workload(self.workload, self.chat_config())
+        return load_workload(self.workload, {"limit": self.trace_limit} if self.trace_limit else {})
+
+
+# ------------------------------------------------------------------- targets
+
+
+@contextlib.contextmanager
+def embedded(replicas: int, replica_flags: Sequence[str] = ()) -> Iterator[str]:
+    """``prefix-router serve`` (local Ray, N replica actors, gateway) for the bench."""
+    port = processes.free_port()
+    command = ["serve", "--replicas", str(replicas), *replica_flags]
+    process = processes.start(command, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_until(
+            url,
+            process,
+            ready=lambda r: r.status_code == 200 and len(r.json()["backends"]) == replicas,
+            path="/stats",
+            timeout_s=180,
+        )
+        yield url
+    finally:
+        processes.stop(process)
+
+
+def cluster_gateway(address: str) -> str:
+    """The URL of the gateway ``prefix-router up`` deployed on the cluster at ``address``."""
+    import ray
+
+    from deploy import cluster
+
+    cluster.connect(address)
+    try:
+        gateway, _ = cluster.status()
+    finally:
+        ray.shutdown()
+    if gateway is None:
+        raise ValueError(f"no prefix-router gateway on the cluster at {address}: run `up` first")
+    return gateway
+
+
+@dataclass
+class Fleet:
+    """What the bench knows of its target. ``ours`` is a prefix-router gateway (it can
+    switch policy and name its replicas); ``replicas`` maps URL to ``/stats`` config."""
+
+    gateway: str
+    ours: bool
+    replicas: dict[str, dict[str, Any]]
+    stride: int = 4
+
+    def replay_config(self) -> ReplayConfig | None:
+        """The simulated twin of the fleet, if every replica is one of ours."""
+        configs = list(self.replicas.values())
+        if not configs or not all(configs):
+            return None
+        first = configs[0]
+        return ReplayConfig(
+            replicas=len(configs),
+            capacity_blocks=first["num_blocks"],
+            block_size=first["block_size"],
+            profile=first["profile"],
+            max_num_seqs=first["max_num_seqs"],
+            max_num_batched_tokens=first["max_num_batched_tokens"],
+            model=first["model"],
+            stride=self.stride,
+            compute_scale=first["speedup"],  # simulated time runs this much faster
+        )
+
+
+def discover(client: httpx.Client, gateway: str) -> Fleet:
+    try:
+        stats = client.get(f"{gateway}/stats").json()
+        urls = [b["url"] for b in stats["backends"]]
+        stride = stats["config"]["stride"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        # Not our gateway: one server (ours, vLLM, SGLang) or someone else's router.
+        return Fleet(gateway, ours=False, replicas={gateway: _replica_config(client, gateway)})
+    return Fleet(gateway, True, {url: _replica_config(client, url) for url in urls}, stride)
+
+
+def _replica_config(client: httpx.Client, url: str) -> dict[str, Any]:
+    """A replica's configuration from its ``/stats``; ``{}`` if it is not one of ours."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+        config = client.get(f"{url}/stats").json()["config"]
+        if "num_blocks" in config:
+            return dict(config)
+    return {}
+
+
+# ------------------------------------------------------------------- one run
+
+
+def reset(client: httpx.Client, fleet: Fleet, timeout_s: float = 120.0) -> bool:
+    """Empty every replica's cache and statistics; True if all of them did.
+
+    Ours answer ``POST /reset`` (409 while requests are in flight: wait); vLLM
+    has ``/reset_prefix_cache`` and SGLang ``/flush_cache``.
+    """
+    done = []
+    for url in fleet.replicas:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = _post_status(client, f"{url}/reset")
+            if status != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if status == 404:
+            status = max(
+                _post_status(client, f"{url}/{p}") for p in ("reset_prefix_cache", "flush_cache")
+            )
+        done.append(status == 200)
+    return bool(done) and all(done)
+
+
+def _post_status(client: httpx.Client, url: str) -> int:
+    try:
+        return client.post(url).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def switch_policy(client: httpx.Client, fleet: Fleet, policy: str) -> None:
+    response = client.post(f"{fleet.gateway}/admin/policy", json={"policy": policy})
+    if response.status_code != 200:
+        raise ValueError(f"the gateway refused policy {policy!r}: {response.text}")
+
+
+@dataclass
+class LocustRun:
+    """Locust's and the client's figures of one run."""
+
+    requests: int
+    failures: int
+    elapsed_s: float
+    client: dict[str, Any]
+    cpu_busy: float
+    cpu_busy_peak: float
+
+
+def locust_command(config: BenchConfig, gateway: str, prefix: Path) -> list[str]:
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(config.users), "-r", str(config.users), "-t", f"{config.run_time_s:.0f}s",
+        "--host", gateway, "--csv", str(prefix), "--results-file", f"{prefix}_client.json",
+        "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10",
+        "--workload", config.workload, "--workload-seed", str(config.seed),
+        "--model", config.model,
+    ]  # fmt: skip
+    if config.trace_limit:
+        command += ["--trace-limit", str(config.trace_limit)]
+    if config.workload == "chat":
+        chat = config.chat_config()
+        command += ["--arrival-rate", str(chat.get("session_rate", ChatConfig().session_rate))]
+        for name, value in chat.items():
+            if name != "seed":
+                command += [f"--chat-{name.replace('_', '-')}", str(value)]
+    return command
+
+
+def run_locust(
+    config: BenchConfig, fleet: Fleet, prefix: Path, total: int, label: str
+) -> LocustRun:
+    """Locust in its own process (gevent wants one); a progress bar fed by the gateway."""
+    log = prefix.with_name(prefix.name + "_locust.log")
+    psutil.cpu_percent()  # starts the measuring interval
+    started = time.monotonic()
+    samples: list[float] = []
+    with (
+        open(log, "w") as output,
+        tqdm(total=total, desc=label, unit="req", disable=not config.progress) as bar,
+        httpx.Client(timeout=5.0) as client,
+    ):
+        process = subprocess.Popen(
+            locust_command(config, fleet.gateway, prefix), stdout=output, stderr=output
+        )
+        seen = _dispatched(client, fleet)
+        while process.poll() is None:
+            samples.append(psutil.cpu_percent(interval=1.0) / 100)
+            now = _dispatched(client, fleet)
+            bar.update(max(now - seen, 0))
+            seen = now
+    elapsed = time.monotonic() - started
+    if process.returncode not in (0, 1):  # 1: some requests failed, which the row shows
+        raise RuntimeError(f"locust exited with {process.returncode}: {log.read_text()[-2000:]}")
+    requests, failures = _locust_counts(Path(f"{prefix}_stats.csv"))
+    client_figures = json.loads(Path(f"{prefix}_client.json").read_text())
+    busy = float(np.mean(samples)) if samples else 0.0
+    return LocustRun(requests, failures, elapsed, client_figures, busy, max(samples, default=0.0))
+
+
+def _dispatched(client: httpx.Client, fleet: Fleet) -> int:
+    if not fleet.ours:
+        return 0
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        return sum(b["dispatched"] for b in client.get(f"{fleet.gateway}/stats").json()["backends"])
+    return 0
+
+
+def _locust_counts(path: Path) -> tuple[int, int]:
+    """Requests and failures of the real requests (not the TTFT and ITL entries)."""
+    with open(path, newline="") as stats:
+        rows = [r for r in csv.DictReader(stats) if r["Type"] == "POST"]
+    return sum(int(r["Request Count"]) for r in rows), sum(int(r["Failure Count"]) for r in rows)
+
+
+# ------------------------------------------------------------------- figures
+
+
+def snapshot(client: httpx.Client, fleet: Fleet) -> dict[str, Any]:
+    """The gateway's and the replicas' statistics now (``{}`` for what is not ours)."""
+    snap: dict[str, Any] = {"gateway": {}, "replicas": {}}
+    if fleet.ours:
+        snap["gateway"] = client.get(f"{fleet.gateway}/stats").json()
+    for url, config in fleet.replicas.items():
+        if config:  # one of ours: it publishes its statistics
+            snap["replicas"][url] = client.get(f"{url}/stats").json()
+    return snap
+
+
+def live_row(
+    policy: str,
+    config: BenchConfig,
+    fleet: Fleet,
+    run: LocustRun,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> Row:
+    replicas = list(after["replicas"].values())
+    caches = [r["cache"] for r in replicas]
+    per_replica = [int(r["requests"]) for r in replicas] or _gateway_requests(before, after)
+    client = run.client
+    ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
+    row: Row = dict.fromkeys(ROW_KEYS)
+    row.update(
+        label=policy,
+        policy=policy if fleet.ours else None,  # else a label for how the target routes
+        workload=config.workload,
+        replicas=len(fleet.replicas) if fleet.ours else (len(replicas) or None),
+        capacity_blocks=_first(fleet.replicas, "num_blocks"),
+        requests=run.requests,
+        failures=run.failures,
+        ttft_p50_s=_percentile(ttft, 50),
+        ttft_p90_s=_percentile(ttft, 90),
+        ttft_p99_s=_percentile(ttft, 99),
+        e2e_p50_s=_percentile(e2e, 50),
+        throughput_rps=run.requests / run.elapsed_s,
+        imbalance=max(per_replica) / np.mean(per_replica) if sum(per_replica) else None,
+        prediction_accuracy=_prediction_accuracy(before, after, policy),
+        requests_per_replica=per_replica,
+        client_token_hit_rate=client.get("client_token_hit_rate"),
+        client_prompt_tokens=client.get("prompt_tokens"),
+        client_cached_tokens=client.get("cached_tokens"),
+        late_session_starts=client.get("late_session_starts"),
+        duration_s=run.elapsed_s,
+        cpu_busy=run.cpu_busy,
+        cpu_busy_peak=run.cpu_busy_peak,
+    )
+    if caches:
+        prompt, cached = _total(caches, "query_tokens"), _total(caches, "hit_tokens")
+        blocks = _total(caches, "query_blocks")
+        row.update(
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            token_hit_rate=cached / prompt if prompt else None,
+            block_hit_rate=_total(caches, "hit_blocks") / blocks if blocks else None,
+            evictions=_total(caches, "evictions"),
+        )
+    else:  # not our replicas: the usage blocks are all there is
+        row.update(
+            prompt_tokens=client.get("prompt_tokens"),
+            cached_tokens=client.get("cached_tokens"),
+            token_hit_rate=client.get("client_token_hit_rate"),
+        )
+    return row
+
+
+def _total(caches: list[dict[str, Any]], key: str) -> int:
+    return sum(int(c[key]) for c in caches)
+
+
+def _first(replicas: Mapping[str, dict[str, Any]], key: str) -> Any:
+    return next((c.get(key) for c in replicas.values() if c), None)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _by_policy(snap: dict[str, Any], policy: str, key: str) -> list[int]:
+    backends = snap["gateway"].get("backends", [])
+    return [int(b.get("by_policy", {}).get(policy, {}).get(key, 0)) for b in backends]
+
+
+def _gateway_requests(before: dict[str, Any], after: dict[str, Any]) -> list[int]:
+    now = [int(b["dispatched"]) for b in after["gateway"].get("backends", [])]
+    then = [int(b["dispatched"]) for b in before["gateway"].get("backends", [])]
+    return [a - b for a, b in zip(now, then, strict=False)] if len(now) == len(then) else now
+
+
+def _prediction_accuracy(
+    before: dict[str, Any], after: dict[str, Any], policy: str
+) -> float | None:
+    """Share of this run's predictions within one router stride of the engine's figure."""
+    made = sum(_by_policy(after, policy, "predictions")) - sum(
+        _by_policy(before, policy, "predictions")
+    )
+    close = sum(_by_policy(after, policy, "close_predictions")) - sum(
+        _by_policy(before, policy, "close_predictions")
+    )
+    return close / made if made > 0 else None
+
+
+def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) -> Row | None:
+    """The offline replay of the same workload on the fleet's simulated twin."""
+    twin = fleet.replay_config()
+    if twin is None:
+        return None
+    if policy not in POLICIES:  # a label: only a lone server is predictable, any policy
+        if twin.replicas > 1:
+            return None
+        policy = "round_robin"
+    return replay_row(replay(workload, replace(twin, seed=config.seed), policy))
+
+
+def add_prediction(row: Row, predicted: Row | None) -> None:
+    """The replay's figures beside the live ones, flagged if the hit rates part."""
+    live = row.get("token_hit_rate")
+    expected = predicted["token_hit_rate"] if predicted else None
+    row.update(
+        replay_token_hit_rate=expected,
+        replay_ttft_p50_s=predicted["ttft_p50_s"] if predicted else None,
+        replay_ttft_p99_s=predicted["ttft_p99_s"] if predicted else None,
+        replay_imbalance=predicted["imbalance"] if predicted else None,
+        replay_differs=(
+            abs(live - expected) > REPLAY_TOLERANCE
+            if live is not None and expected is not None
+            else None
+        ),
+    )
+
+
+# ------------------------------------------------------------------- the comparison
+
+
+def compare(config: BenchConfig, gateway: str, out: Path) -> tuple[list[Row], Fleet]:
+    """Every policy in turn against ``gateway``; one row each, with the replay's view."""
+    out.mkdir(parents=True, exist_ok=True)
+    workload = config.load()
+    with httpx.Client(timeout=30.0) as client:
+        fleet = discover(client, gateway)
+        if not fleet.ours and len(config.policies) > 1:
+            raise ValueError(
+                f"{gateway} is not a prefix-router gateway, so the bench cannot switch its "
+                "policy: pass one --policies NAME, a label for how it routes"
+            )
+        rows = []
+        for policy in config.policies:
+            if not reset(client, fleet):
+                print(f"warning: could not reset every replica's cache before {policy}",
+                      file=sys.stderr)  # fmt: skip
+            if fleet.ours:
+                switch_policy(client, fleet, policy)
+            before = snapshot(client, fleet)
+            run = run_locust(config, fleet, out / policy, workload.num_requests, policy)
+            rows.append(live_row(policy, config, fleet, run, before, snapshot(client, fleet)))
+    for row in rows:
+        predicted = predict(config, fleet, row["label"], workload) if config.predict else None
+        add_prediction(row, predicted)
+    return rows, fleet

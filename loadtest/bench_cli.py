@@ -1,0 +1,211 @@
+"""``prefix-router bench``: the command, its report and its charts (see loadtest/bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from deploy.cli import add_config_flags, config_overrides
+from loadtest import bench, plots
+from loadtest.bench import BenchConfig
+from loadtest.replay_cli import TRACE_CAPACITY_BLOCKS
+from loadtest.report import Row, command_line, format_table, version, write_json
+from loadtest.workloads import ChatConfig
+from replica.server import ReplicaConfig
+
+TABLE_KEYS = (
+    "label", "requests", "failures", "token_hit_rate", "client_token_hit_rate",
+    "replay_token_hit_rate", "block_hit_rate", "evictions", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "replay_ttft_p50_s", "replay_ttft_p99_s", "e2e_p50_s", "throughput_rps",
+    "imbalance", "prediction_accuracy", "cpu_busy",
+)  # fmt: skip
+
+READING = """\
+How to read it. Each row is one policy, run live on the same seeded workload after
+every replica's cache was emptied:
+
+- `token_hit_rate`: prompt tokens the replicas found in their prefix caches (the
+  engines' own count); `client_token_hit_rate` is the same from the `cached_tokens`
+  of the answers' usage blocks, and the two agree when every request finished.
+- `replay_token_hit_rate`, `replay_ttft_*`: what `prefix-router replay` predicts for
+  the same workload on a simulated twin of the fleet. A live hit rate more than
+  5 points away from it is flagged below.
+- `ttft_*`: time to first token measured by the Locust client, end to end through
+  the gateway; `e2e_p50_s` the whole answer.
+- `imbalance`: the busiest replica's requests over the mean (1.00 is even).
+- `prediction_accuracy`: share of requests whose cached tokens the gateway predicted
+  within one router stride (64 tokens) of the engine's figure.
+- `cpu_busy`: mean share of this machine's CPUs in use during the run (all
+  processes: Locust, gateway, replicas). Near 100% the machine, not the simulated
+  GPUs, would set the latencies.
+"""
+
+
+def add_bench_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "bench",
+        help="compare routing policies under real HTTP load (Locust), with a report",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--address", help="a Ray cluster with `prefix-router up` (e.g. auto)")
+    target.add_argument("--gateway", metavar="URL", help="any gateway or OpenAI-compatible server")
+    parser.add_argument(
+        "--replicas", type=int, default=4, help="embedded deployment's replicas (default: 4)"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(BenchConfig().policies),
+        help="comma-separated (default: round_robin,cache_aware)",
+    )
+    parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
+    parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=BenchConfig().model, help="the model requests name")
+    parser.add_argument("--users", type=int, default=BenchConfig().users)
+    parser.add_argument(
+        "--run-time",
+        type=float,
+        default=BenchConfig().run_time_s,
+        metavar="SECONDS",
+        help="upper bound per policy; a run ends once every session is played",
+    )
+    parser.add_argument("--out", default="reports/bench", help="report directory")
+    parser.add_argument("--no-replay", action="store_true", help="skip the replay predictions")
+    parser.add_argument("--no-progress", action="store_true")
+    add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
+    parser.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    policies = tuple(p for p in args.policies.split(",") if p)
+    config = BenchConfig(
+        policies=policies,
+        model=args.model,
+        trace_limit=args.limit,
+        workload=args.workload,
+        chat=config_overrides(args, ChatConfig, prefix="chat_"),
+        seed=args.seed,
+        users=args.users,
+        run_time_s=args.run_time,
+        predict=not args.no_replay,
+        progress=not args.no_progress,
+    )
+    out = Path(args.out)
+    with _target(args) as (gateway, description):
+        print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)
+        rows, fleet = bench.compare(config, gateway, out)
+    meta = {
+        "seed": config.seed,
+        "command": command_line(),
+        "version": version(),
+        "target": description,
+        "workload": config.workload,
+        "chat": config.chat_config() if config.workload == "chat" else None,
+        "replica_config": next(iter(fleet.replicas.values()), None),
+        "cpu_busy": max((r["cpu_busy"] for r in rows), default=None),
+        "cpu_count": _cpu_count(),
+    }
+    print(format_table(rows, TABLE_KEYS))
+    write_report(out, rows, meta)
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+@contextlib.contextmanager
+def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    if args.gateway:
+        yield args.gateway.rstrip("/"), f"gateway {args.gateway}"
+    elif args.address:
+        url = bench.cluster_gateway(args.address)
+        yield url, f"Ray cluster {args.address}, gateway {url}"
+    else:
+        flags = _replica_flags(args)
+        print(f"bench: starting {args.replicas} replicas and the gateway…", file=sys.stderr)
+        with bench.embedded(args.replicas, flags) as url:
+            yield url, f"embedded deployment, {args.replicas} replicas, gateway {url}"
+
+
+def _replica_flags(args: argparse.Namespace) -> list[str]:
+    """The ``serve`` flags for the embedded replicas: the user's, else the bench's sizes."""
+    overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
+    chat = args.workload == "chat"
+    overrides.setdefault(
+        "num_blocks", bench.BENCH_REPLICA_BLOCKS if chat else TRACE_CAPACITY_BLOCKS
+    )
+    flags = []
+    for name, value in overrides.items():
+        flag = f"--replica-{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            flags.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "report.json", rows, meta)
+    charts = ["hit_rate.png", "ttft.png", "load.png"]
+    plots.live_hit_rate_chart(rows, out / charts[0])
+    plots.ttft_percentiles_chart(rows, out / charts[1])
+    plots.load_chart(rows, out / charts[2])
+    busy = meta.get("cpu_busy")
+    lines = [
+        "# prefix-router bench",
+        "",
+        f"`{meta['command']}` (seed {meta['seed']}, version {meta['version']})",
+        "",
+        f"Target: {meta['target']}. Workload: {meta['workload']}"
+        + (f" {_chat_summary(meta['chat'])}" if meta.get("chat") else "")
+        + ".",
+        "",
+        format_table(rows, TABLE_KEYS),
+        "",
+        f"CPU: at most {busy:.0%} busy on average during a run, over {meta['cpu_count']} CPUs."
+        if busy is not None
+        else "CPU: not measured.",
+        "",
+        *_flags(rows),
+        READING,
+        *(f"![{name}]({name})" for name in charts),
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _chat_summary(chat: dict[str, Any]) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in chat.items()) + ")"
+
+
+def _flags(rows: Sequence[Row]) -> list[str]:
+    """Lines for what a reader must not miss: replay disagreement, unfinished runs."""
+    lines = []
+    for row in rows:
+        if row.get("replay_differs"):
+            lines.append(
+                f"- **{row['label']}**: live hit rate {row['token_hit_rate']:.1%} differs from "
+                f"the replay's {row['replay_token_hit_rate']:.1%} by more than "
+                f"{bench.REPLAY_TOLERANCE:.0%} points."
+            )
+        if row.get("failures"):
+            lines.append(f"- **{row['label']}**: {row['failures']} requests failed.")
+        client, engine = row.get("client_cached_tokens"), row.get("cached_tokens")
+        if client is not None and engine is not None and client != engine:
+            lines.append(
+                f"- **{row['label']}**: clients saw {client} cached tokens, the engines "
+                f"counted {engine} (requests cut off at the end of the run?)."
+            )
+    return [*lines, ""] if lines else ["Live and replayed hit rates agree within 5 points.", ""]
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1

@@ -1,0 +1,89 @@
+"""``prefix-router bench``: short live comparisons, and their reports checked for
+consistency (engine against client, replay against live, counts against counts)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench import BenchConfig
+from tests.servers import running
+
+pytestmark = pytest.mark.slow
+
+#: A few short sessions: the whole comparison takes seconds.
+TINY = [
+    "--chat-num-sessions", "8", "--chat-session-rate", "4", "--chat-think-time-s", "0.3",
+    "--chat-reply-tokens", "12", "--chat-user-tokens", "20", "--users", "8",
+    "--run-time", "60", "--no-progress",
+]  # fmt: skip
+
+
+def bench(out: Path, *arguments: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "deploy.cli", "bench", "--out", str(out), *TINY, *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+def expected_requests() -> int:
+    chat = {"num_sessions": 8, "session_rate": 4.0, "think_time_s": 0.3, "reply_tokens": 12}
+    return BenchConfig(chat={**chat, "user_tokens": 20}).load().num_requests
+
+
+def check_report(out: Path, policies: list[str]) -> list[dict]:
+    report = json.loads((out / "report.json").read_text())
+    rows = report["rows"]
+    assert [r["label"] for r in rows] == policies
+    requests = expected_requests()
+    for row in rows:
+        # Every session was played to the end, without a failure...
+        assert row["requests"] == requests and row["failures"] == 0
+        assert sum(row["requests_per_replica"]) == requests
+        # ...so what the clients read in the usage blocks is what the engines counted.
+        assert row["client_cached_tokens"] == row["cached_tokens"] > 0
+        assert row["client_token_hit_rate"] == row["token_hit_rate"]
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+        assert row["imbalance"] >= 1.0 and 0.0 <= row["cpu_busy"] <= 1.0
+        assert row["replay_token_hit_rate"] is not None
+        gap = abs(row["token_hit_rate"] - row["replay_token_hit_rate"])
+        assert row["replay_differs"] == (gap > 0.05)
+    assert 0.0 <= report["meta"]["cpu_busy"] <= 1.0
+    markdown = (out / "report.md").read_text()
+    assert all(f"| {p} " in markdown for p in policies)
+    assert all(
+        (out / chart).stat().st_size > 0 for chart in ("hit_rate.png", "ttft.png", "load.png")
+    )
+    return rows
+
+
+def test_bench_compares_policies_through_our_gateway(tmp_path):
+    replica = ["replica", "--speedup", "4", "--num-blocks", "512"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with running(gateway) as (url,):
+            done = bench(tmp_path, "--gateway", url)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "report:" in done.stdout and "| cache_aware" in done.stdout
+    rows = check_report(tmp_path, ["round_robin", "cache_aware"])
+    assert rows[1]["prediction_accuracy"] is not None and rows[0]["prediction_accuracy"] is None
+    assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
+
+
+@pytest.mark.ray
+def test_bench_runs_its_own_embedded_deployment_and_stops_it(tmp_path):
+    done = bench(tmp_path, "--replicas", "2", "--replica-speedup", "4", "--policies", "cache_aware")
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_report(tmp_path, ["cache_aware"])
+    leftover = subprocess.run(["pgrep", "-f", "deploy.cli serve"], capture_output=True, check=False)
+    assert leftover.stdout == b""
+
+
+def test_bench_against_a_plain_openai_server_runs_one_labelled_policy(tmp_path):
+    with running(["replica", "--speedup", "4"]) as (url,):
+        refused = bench(tmp_path, "--gateway", url)
+        assert refused.returncode == 2 and "cannot switch its policy" in refused.stderr
+        done = bench(tmp_path, "--gateway", url, "--policies", "one_server")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = check_report(tmp_path, ["one_server"])
+    assert row["replicas"] == 1 and row["imbalance"] == 1.0
