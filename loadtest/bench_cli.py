@@ -168,7 +168,8 @@ def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
         "",
         format_table(rows, TABLE_KEYS),
         "",
-        f"CPU: at most {busy:.0%} busy on average during a run, over {meta['cpu_count']} CPUs."
+        f"CPU: at most {busy:.0%} busy on average during a run (busiest second "
+        f"{max(r['cpu_busy_peak'] for r in rows):.0%}), over {meta['cpu_count']} CPUs."
         if busy is not None
         else "CPU: not measured.",
         "",

@@ -158,8 +158,11 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     kind = {
         400: "BadRequestError",
         404: "NotFoundError",
+        401: "AuthenticationError",
+        403: "PermissionDeniedError",
         409: "ConflictError",
         413: "RequestTooLarge",
+        429: "RateLimitError",
     }
     return {
         "error": {

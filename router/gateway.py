@@ -14,7 +14,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ValidationError
 from starlette.routing import Route
@@ -32,9 +33,18 @@ from starlette.routing import Route
 from replica import openai_api as api
 from replica.hashing import block_hashes, identity_seed
 from replica.tokenizer import ByteTokenizer
+from router.admission import AdmissionQueue, Overloaded
 from router.backends import Backend, BackendPool, follow_ray_replicas
-from router.policies import POLICIES, Policy, PolicyConfig, RoutingRequest, make_policy
+from router.policies import (
+    POLICIES,
+    Policy,
+    PolicyConfig,
+    ReplicaState,
+    RoutingRequest,
+    make_policy,
+)
 from router.prefix_index import IndexConfig
+from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,14 @@ class GatewayConfig:
     kv_events_interval_s: float = 0.05
     upstream_timeout_s: float = 600.0
     seed: int = 0
+    #: API keys, one ``KEY TENANT [admin]`` per line (see router/tenants.py); with
+    #: ``$PREFIX_ROUTER_API_KEYS``. None configured: no authentication.
+    api_keys_file: str = ""
+    #: Requests in flight per replica; beyond it requests wait in the gateway's queue.
+    max_outstanding_per_replica: int = 128
+    #: Requests that may wait for a free replica, and for how long; beyond: 429.
+    max_queued: int = 512
+    queue_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -68,10 +86,11 @@ class Metrics:
     """The gateway's Prometheus figures: a histogram observed per request, the rest
     read from the backends' counters at scrape time (nothing to look up per request)."""
 
-    def __init__(self, pool: Callable[[], list[Backend]]) -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self.registry = CollectorRegistry()
-        self._pool = pool
+        self._gateway = gateway
         self.registry.register(self)
+        ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
         self.overhead = Histogram(
             "prefix_router_gateway_overhead_seconds",
             "Time from receiving a request to sending it upstream.",
@@ -102,7 +121,7 @@ class Metrics:
         errors = CounterMetricFamily(
             "prefix_router_upstream_errors", "Failed upstream calls.", labels=["replica"]
         )
-        for backend in self._pool():
+        for backend in self._gateway.pool.backends:
             name = backend.state.replica_id
             for key, family in families.items():
                 for policy, value in getattr(backend, key).items():
@@ -112,6 +131,26 @@ class Metrics:
         yield from families.values()
         yield outstanding
         yield errors
+        yield from self._tenant_families()
+        admission = self._gateway.admission
+        yield GaugeMetricFamily(
+            "prefix_router_queued_requests", "Requests waiting for a free replica.", len(admission)
+        )
+        yield CounterMetricFamily(
+            "prefix_router_refused_requests", "Requests refused with 429.", admission.refused
+        )
+
+    def _tenant_families(self) -> Iterable[Metric]:
+        for key, text in (
+            ("requests", "Requests per tenant."),
+            ("errors", "Failed requests per tenant."),
+            ("prompt_tokens", "Prompt tokens per tenant."),
+            ("cached_tokens", "Prompt tokens found in the cache, per tenant."),
+        ):
+            family = CounterMetricFamily(f"prefix_router_tenant_{key}", text, labels=["tenant"])
+            for tenant, counts in self._gateway.tenants.items():
+                family.add_metric([tenant], counts[key])
+            yield family
 
 
 class Gateway:
@@ -120,7 +159,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig, client: aiohttp.ClientSession) -> None:
         self.config = config
         self.tokenizer = ByteTokenizer()
-        self.metrics = Metrics(lambda: self.pool.backends)
+        #: Per tenant: requests, errors, prompt and cached tokens.
+        self.tenants: dict[str, Counter[str]] = defaultdict(Counter)
         self.rng = np.random.default_rng(config.seed)
         self.policy: Policy = self._make_policy(config.policy)
         self.pool = BackendPool(
@@ -132,6 +172,8 @@ class Gateway:
             default_capacity_blocks=config.capacity_blocks,
         )
         self.client = client
+        self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
+        self.metrics = Metrics(self)  # last: registering it reads the figures above
         self._seeds: dict[str | None, int] = {}
         self._prefilling: set[str] = set()
 
@@ -145,14 +187,16 @@ class Gateway:
             policy.on_replica_added(state)
         self.policy = policy
 
-    def routing_request(self, prompt: np.ndarray, cache_salt: str | None) -> RoutingRequest:
+    def routing_request(
+        self, prompt: np.ndarray, cache_salt: str | None, tenant: str | None = None
+    ) -> RoutingRequest:
+        """Hash the prompt as a replica will: seeded by model and (tenant) salt."""
         seed = self._seeds.get(cache_salt)
         if seed is None:
             seed = self._seeds[cache_salt] = identity_seed(self.config.model, cache_salt)
         stride_tokens = self.config.block_size * self.config.stride
-        return RoutingRequest(
-            api.new_id("route"), len(prompt), block_hashes(prompt, stride_tokens, seed)
-        )
+        hashes = block_hashes(prompt, stride_tokens, seed)
+        return RoutingRequest(api.new_id("route"), len(prompt), hashes, tenant=tenant)
 
     async def forward(
         self,
@@ -163,9 +207,13 @@ class Gateway:
         received: float,
     ) -> Response:
         """Send the request, as the client wrote it, to the replica the policy picks."""
-        states = self.pool.states
-        if not states:
+        if not self.pool.backends:
             return JSONResponse(api.error_body("no backends to route to", 503), status_code=503)
+        try:
+            states = await self._admit()
+        except Overloaded as error:
+            headers = {"retry-after": str(error.retry_after_s)}
+            return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
         policy = self.policy
         state = policy.choose(routing, states)
         backend = self.pool.by_state(state)
@@ -243,6 +291,23 @@ class Gateway:
             response.release()
             self._completed(routing, backend, policy, cached, failed=failed)
 
+    async def _admit(self) -> list[ReplicaState]:
+        """The replicas with a free slot, once this request's turn has come."""
+        if not len(self.admission):
+            states = self._available()
+            if states:
+                return states
+        deadline = self.admission.deadline()
+        while True:  # woken when a slot frees; another request may have taken it
+            await self.admission.wait_turn(deadline)
+            states = self._available()
+            if states:
+                return states
+
+    def _available(self) -> list[ReplicaState]:
+        limit = self.config.max_outstanding_per_replica
+        return [s for s in self.pool.states if s.outstanding_requests < limit]
+
     def _dispatched(self, routing: RoutingRequest, backend: Backend, policy: Policy) -> None:
         state = backend.state
         state.outstanding_requests += 1
@@ -271,8 +336,16 @@ class Gateway:
         state = backend.state
         state.outstanding_requests -= 1
         policy.on_complete(routing, state)
+        self.admission.slot_freed()
         if failed:
             backend.upstream_errors += 1
+        if routing.tenant is not None:
+            counts = self.tenants[routing.tenant]
+            counts["requests"] += 1
+            counts["errors"] += failed
+            if cached is not None:
+                counts["prompt_tokens"] += routing.num_prompt_tokens
+                counts["cached_tokens"] += cached
         if cached is not None and routing.predicted_cached_tokens is not None:
             backend.predicted[policy.name] += routing.predicted_cached_tokens
             backend.actual[policy.name] += cached
@@ -284,6 +357,15 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "tenants": {
+                name: {
+                    **counts,
+                    "token_hit_rate": counts["cached_tokens"] / counts["prompt_tokens"]
+                    if counts["prompt_tokens"]
+                    else None,
+                }
+                for name, counts in self.tenants.items()
+            },
             "config": asdict(self.config),
             "backends": [
                 {
@@ -337,6 +419,7 @@ def create_app(
     and, given ``ray_replica_prefix``, to the replica actors of the current Ray
     namespace whose names start with it (Ray must be initialised)."""
     config = config or GatewayConfig()
+    keys = ApiKeys.load(config.api_keys_file or None)
     holder: dict[str, Gateway] = {}
 
     @asynccontextmanager
@@ -362,6 +445,27 @@ def create_app(
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         return api.bad_request(error)
 
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
+        body = api.error_body(str(error), error.status)
+        headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse(body, status_code=error.status, headers=headers)
+
+    def tenant_routing(
+        request: Request, raw: bytes, parsed: Any, prompt: np.ndarray
+    ) -> tuple[bytes, RoutingRequest]:
+        """Authenticate, and seed the request's identities with its tenant's salt, in
+        the gateway and (through ``cache_salt``) in the replica alike."""
+        tenant: Tenant | None = keys.tenant(request.headers.get("authorization"))
+        name = tenant.name if tenant else None
+        salt = tenant_salt(name, parsed.cache_salt)
+        if salt != parsed.cache_salt:
+            raw = json.dumps({**json.loads(raw), "cache_salt": salt}).encode()
+        return raw, holder["gateway"].routing_request(prompt, salt, name)
+
+    def admin_only(request: Request) -> None:
+        keys.admin(request.headers.get("authorization"))
+
     async def parse(request: Request, model: type[BaseModel]) -> tuple[bytes, Any]:
         """The raw body (forwarded as it came) and its validated form."""
         raw = await request.body()
@@ -378,7 +482,7 @@ def create_app(
         prompt = parsed.token_ids(gateway.tokenizer)
         if prompt is None:
             return api.bad_token_ids()
-        routing = gateway.routing_request(prompt, parsed.cache_salt)
+        raw, routing = tenant_routing(request, raw, parsed, prompt)
         return await gateway.forward("/v1/completions", raw, parsed, routing, received)
 
     @app.post("/v1/chat/completions")
@@ -387,7 +491,7 @@ def create_app(
         raw, parsed = await parse(request, api.ChatCompletionRequest)
         gateway = holder["gateway"]
         prompt = gateway.tokenizer.apply_chat_template([m.model_dump() for m in parsed.messages])
-        routing = gateway.routing_request(prompt, parsed.cache_salt)
+        raw, routing = tenant_routing(request, raw, parsed, prompt)
         return await gateway.forward("/v1/chat/completions", raw, parsed, routing, received)
 
     # The hot paths also as plain Starlette routes, matched first: they skip FastAPI's
@@ -421,7 +525,8 @@ def create_app(
         return holder["gateway"].stats()
 
     @app.post("/admin/policy")
-    async def set_policy(change: PolicyChange) -> Response:
+    async def set_policy(change: PolicyChange, request: Request) -> Response:
+        admin_only(request)
         if change.policy not in POLICIES:
             message = f"unknown policy {change.policy!r}; known: {', '.join(POLICIES)}"
             return JSONResponse(api.error_body(message, 400, "policy"), status_code=400)
@@ -429,7 +534,8 @@ def create_app(
         return JSONResponse({"policy": change.policy})
 
     @app.post("/admin/backends")
-    async def add_backend(change: BackendChange) -> Response:
+    async def add_backend(change: BackendChange, request: Request) -> Response:
+        admin_only(request)
         try:
             backend = holder["gateway"].pool.add(
                 change.url, change.replica_id, change.capacity_blocks
@@ -439,7 +545,8 @@ def create_app(
         return JSONResponse({"replica_id": backend.state.replica_id, "url": backend.url})
 
     @app.delete("/admin/backends")
-    async def remove_backend(url: str) -> Response:
+    async def remove_backend(url: str, request: Request) -> Response:
+        admin_only(request)
         if not await holder["gateway"].pool.remove(url):
             return JSONResponse(api.error_body(f"no backend {url!r}", 404, "url"), status_code=404)
         return JSONResponse({"removed": url})

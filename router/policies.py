@@ -50,6 +50,8 @@ class RoutingRequest:
     num_prompt_tokens: int
     stride_hashes: Sequence[int] = field(default=(), repr=False)
     predicted_cached_tokens: int | None = None
+    #: Who sent it (``None`` without API keys); its identities are seeded per tenant.
+    tenant: str | None = None
 
     @property
     def predicted_uncached_tokens(self) -> int:

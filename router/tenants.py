@@ -1,0 +1,98 @@
+"""API keys, tenants and the cache salt that keeps tenants' caches apart.
+
+A cache hit is observable in latency (a shorter time to first token), so a tenant who
+could hit another tenant's cached prefix could learn what that tenant sent. Every
+tenant's requests therefore carry a salt derived from the tenant's name (and any
+``cache_salt`` the request names, as vLLM accepts): block identities in the router
+and in the replicas are seeded by it, so two tenants never share a block.
+
+Keys come from a file (one ``KEY TENANT [admin]`` per line, ``#`` comments) and from
+the environment (``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin"``). Only
+their SHA-256 digests are kept, so a lookup's timing says nothing about a key's
+bytes. No keys configured: authentication is off and every request is tenant-less.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    admin: bool = False
+
+
+class Unauthorized(Exception):
+    """No valid key (401), or a valid key without the right (403)."""
+
+    def __init__(self, message: str, status: int = 401) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ApiKeys:
+    def __init__(self, keys: Mapping[str, Tenant]) -> None:
+        self._by_digest = {_digest(key): tenant for key, tenant in keys.items()}
+
+    @classmethod
+    def load(cls, path: str | None = None, env: Mapping[str, str] | None = None) -> ApiKeys:
+        """Keys from ``path`` (if given) and from ``$PREFIX_ROUTER_API_KEYS``."""
+        keys: dict[str, Tenant] = {}
+        if path:
+            for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+                fields = line.split("#", 1)[0].split()
+                if fields:
+                    keys[fields[0]] = _tenant(fields[1:], f"{path}:{number}")
+        spec = (os.environ if env is None else env).get(ENV_KEYS, "")
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, _, rest = item.partition("=")
+            keys[key] = _tenant(rest.split(":"), ENV_KEYS)
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_digest)
+
+    def tenant(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer KEY`` header (``None`` when keys are
+        off); raises :class:`Unauthorized` for a missing or unknown key."""
+        if not self.enabled:
+            return None
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthorized("missing API key: send 'Authorization: Bearer KEY'")
+        tenant = self._by_digest.get(_digest(key.strip()))
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return tenant
+
+    def admin(self, authorization: str | None) -> None:
+        """Raise :class:`Unauthorized` unless the key is an admin's (or keys are off)."""
+        tenant = self.tenant(authorization)
+        if tenant is not None and not tenant.admin:
+            raise Unauthorized(f"tenant {tenant.name!r} may not use admin endpoints", 403)
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt that seeds a request's block identities. Length-prefixed, so no
+    choice of ``cache_salt`` by one tenant can spell another tenant's salt."""
+    if tenant is None:
+        return cache_salt
+    return f"tenant:{len(tenant)}:{tenant}:{cache_salt or ''}"
+
+
+def _tenant(fields: list[str], where: str) -> Tenant:
+    if not fields or not fields[0] or len(fields) > 2 or fields[1:] not in ([], ["admin"]):
+        raise ValueError(f"{where}: expected KEY TENANT [admin]")
+    return Tenant(fields[0], admin=fields[1:] == ["admin"])
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -1,0 +1,91 @@
+"""API keys, tenants and cache isolation: one tenant's prompt never hits another's cache."""
+
+import httpx
+import pytest
+
+from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
+from tests.servers import running
+
+SYSTEM = "You are the assistant of a bank; account numbers follow. " * 40
+
+
+def test_keys_come_from_a_file_and_the_environment(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# key tenant [admin]\nk-acme acme\nk-ops ops admin  # the operators\n\n")
+    keys = ApiKeys.load(
+        str(path), env={"PREFIX_ROUTER_API_KEYS": "k-globex=globex, k-root=root:admin"}
+    )
+    assert keys.tenant("Bearer k-acme") == Tenant("acme")
+    assert keys.tenant("bearer k-globex") == Tenant("globex")
+    assert keys.tenant("Bearer k-ops") == Tenant("ops", admin=True)
+    keys.admin("Bearer k-root")
+    for header in (None, "", "Bearer", "Basic k-acme", "Bearer k-unknown"):
+        with pytest.raises(Unauthorized) as error:
+            keys.tenant(header)
+        assert error.value.status == 401
+    with pytest.raises(Unauthorized) as error:
+        keys.admin("Bearer k-acme")
+    assert error.value.status == 403
+
+
+def test_no_keys_means_no_authentication_and_bad_lines_are_named(tmp_path):
+    assert ApiKeys.load(env={}).tenant(None) is None
+    path = tmp_path / "keys"
+    path.write_text("k-acme acme root\n")
+    with pytest.raises(ValueError, match="keys:1"):
+        ApiKeys.load(str(path), env={})
+
+
+def test_no_cache_salt_can_spell_another_tenants_salt():
+    assert tenant_salt(None, "s") == "s"
+    # tenant "a" choosing cache_salt "b:" must not reach tenant "a:b" (or any other).
+    assert tenant_salt("a", "b:") != tenant_salt("a:b", None)
+    assert tenant_salt("a", None) != tenant_salt("a", "x") != tenant_salt("b", "x")
+
+
+def chat(url: str, key: str | None, content: str = SYSTEM, **extra: object) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {"messages": [{"role": "system", "content": content}], "max_tokens": 2, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def cached(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+def test_tenants_are_isolated_through_the_gateway(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("k-acme acme\nk-globex globex\nk-ops ops admin\n")
+    with running(["replica", "--speedup", "20"]) as (replica,):
+        gateway = ["gateway", f"--backend={replica}", f"--api-keys-file={keys}"]
+        with running(gateway) as (url,):
+            # Without a valid key: 401, naming what is wrong.
+            missing, wrong = chat(url, None), chat(url, "k-nobody")
+            assert missing.status_code == wrong.status_code == 401
+            assert "missing API key" in missing.json()["error"]["message"]
+            assert missing.headers["www-authenticate"] == "Bearer"
+            # The same prompt: acme computes it, globex gets nothing from acme's cache...
+            assert cached(chat(url, "k-acme")) == 0
+            assert cached(chat(url, "k-globex")) == 0
+            # ...while each tenant hits its own.
+            assert cached(chat(url, "k-acme")) > 500
+            assert cached(chat(url, "k-globex")) > 500
+            # A request's cache_salt narrows sharing further, within a tenant.
+            assert cached(chat(url, "k-acme", cache_salt="project-x")) == 0
+            assert cached(chat(url, "k-acme", cache_salt="project-x")) > 500
+            # Admin endpoints: a tenant's key is refused, an admin's accepted.
+            policy = {"policy": "round_robin"}
+            headers = {"authorization": "Bearer k-acme"}
+            refused = httpx.post(f"{url}/admin/policy", json=policy, headers=headers)
+            assert refused.status_code == 403
+            assert httpx.post(f"{url}/admin/policy", json=policy).status_code == 401
+            headers = {"authorization": "Bearer k-ops"}
+            assert httpx.post(f"{url}/admin/policy", json=policy, headers=headers).is_success
+            # Per-tenant figures, in /stats and in /metrics.
+            tenants = httpx.get(f"{url}/stats").json()["tenants"]
+            metrics = httpx.get(f"{url}/metrics").text
+    assert tenants["acme"]["requests"] == 4 and tenants["globex"]["requests"] == 2
+    assert tenants["globex"]["token_hit_rate"] == pytest.approx(0.5, abs=0.05)
+    assert 'prefix_router_tenant_requests_total{tenant="acme"} 4.0' in metrics
