@@ -9,6 +9,7 @@ names), ``GET /kv_events?since=SEQ``, ``POST /reset``, ``GET /stats``, and the
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -261,6 +262,7 @@ def create_app(config: ReplicaConfig | None = None) -> FastAPI:
         cache = engine.cache
         return {
             "model": config.model,
+            "pid": os.getpid(),
             "config": asdict(config),
             "requests": served["requests"],
             "errors": served["errors"],

@@ -39,7 +39,14 @@ class Backend:
     predictions: Counter[str] = field(default_factory=Counter)
     close_predictions: Counter[str] = field(default_factory=Counter)
     upstream_errors: int = 0
+    #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
+    healthy: bool = True
+    failed_probes: int = 0
+    #: Loop times the circuit last opened and closed (for the chaos test's figures).
+    opened_at: float | None = None
+    readmitted_at: float | None = None
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
+    _probe_now: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
 
 class BackendPool:
@@ -53,6 +60,8 @@ class BackendPool:
         on_removed: Callable[[ReplicaState], None],
         poll_interval_s: float = 0.05,
         default_capacity_blocks: int = 4096,
+        health_interval_s: float = 0.5,
+        failure_threshold: int = 2,
     ) -> None:
         self.client = client
         self._on_events = on_events
@@ -60,6 +69,8 @@ class BackendPool:
         self._on_removed = on_removed
         self._interval = poll_interval_s
         self._capacity = default_capacity_blocks
+        self._health_interval = health_interval_s
+        self._failure_threshold = failure_threshold
         self._backends: dict[str, Backend] = {}
 
     @property
@@ -68,7 +79,25 @@ class BackendPool:
 
     @property
     def states(self) -> list[ReplicaState]:
-        return [b.state for b in self._backends.values()]
+        """The backends to route to: those whose circuit is closed."""
+        return [b.state for b in self._backends.values() if b.healthy]
+
+    def open_circuit(self, backend: Backend) -> None:
+        """Stop routing to ``backend`` at once and forget what its cache held; probes
+        of its ``/health`` re-admit it, with an empty index."""
+        if backend.healthy and backend.state.replica_id in self._backends:
+            backend.healthy = False
+            backend.opened_at = asyncio.get_running_loop().time()
+            backend._probe_now.set()  # start probing its health now, not after a poll interval
+            self._on_removed(backend.state)
+            log.warning("backend %s is down: no more requests until it is healthy", backend.url)
+
+    def _readmit(self, backend: Backend) -> None:
+        backend.healthy, backend.failed_probes = True, 0
+        backend.last_event_seq, backend.events_supported = 0, True  # it may have restarted
+        backend.readmitted_at = asyncio.get_running_loop().time()
+        self._on_added(backend.state)
+        log.warning("backend %s is healthy again", backend.url)
 
     def by_state(self, state: ReplicaState) -> Backend:
         return self._backends[state.replica_id]
@@ -87,7 +116,7 @@ class BackendPool:
         backend = Backend(url, ReplicaState(name, capacity_blocks or self._capacity))
         self._backends[name] = backend
         self._on_added(backend.state)
-        backend._poller = asyncio.get_running_loop().create_task(self._poll(backend))
+        backend._poller = asyncio.get_running_loop().create_task(self._watch(backend))
         return backend
 
     async def remove(self, url_or_id: str) -> bool:
@@ -102,39 +131,74 @@ class BackendPool:
             backend._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await backend._poller
-        self._on_removed(backend.state)
+        if backend.healthy:  # an open circuit has already removed it from the policy
+            self._on_removed(backend.state)
         return True
 
     async def close(self) -> None:
         for backend in list(self._backends.values()):
             await self.remove(backend.state.replica_id)
 
-    async def _poll(self, backend: Backend) -> None:
-        """Follow a backend's KV events; stop quietly if it has none (vLLM, SGLang)."""
-        while backend.events_supported:
-            try:
-                body = await self._events_after(backend)
-                if body is None:
-                    backend.events_supported = False
-                    break
-                events = [
-                    KVEvent(
-                        e["seq"],
-                        e["kind"],
-                        tuple(e["block_hashes"]),
-                        e.get("parent_hash"),
-                        tuple(e.get("block_depths", ())),
-                    )
-                    for e in body["events"]
-                ]
-                if body.get("lost"):  # fell behind the replica's log: start over empty
-                    events.insert(0, KVEvent(0, "cleared"))
-                if events:
-                    self._on_events(backend.state, events)
-                backend.last_event_seq = body["last_seq"]
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
-                log.debug("kv events from %s: %s", backend.url, error)
-            await asyncio.sleep(self._interval)
+    async def _watch(self, backend: Backend) -> None:
+        """Probe the backend for ever: follow its KV events (ours, every 50 ms) or its
+        ``/health`` (vLLM, SGLang); open its circuit after ``failure_threshold``
+        failed probes in a row, close it after one good probe."""
+        while True:
+            healthy = await self._probe(backend)
+            if healthy:
+                backend.failed_probes = 0
+                if not backend.healthy:
+                    self._readmit(backend)
+            else:
+                backend.failed_probes += 1
+                if backend.failed_probes >= self._failure_threshold:
+                    self.open_circuit(backend)
+            following = backend.healthy and backend.events_supported
+            with contextlib.suppress(TimeoutError):
+                interval = self._interval if following else self._health_interval
+                await asyncio.wait_for(backend._probe_now.wait(), interval)
+            backend._probe_now.clear()
+
+    async def _probe(self, backend: Backend) -> bool:
+        if backend.healthy and backend.events_supported:
+            return await self._follow_events(backend)
+        try:
+            async with self.client.get(
+                f"{backend.url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _follow_events(self, backend: Backend) -> bool:
+        """Hand the backend's new KV events to the policy; False if it did not answer."""
+        try:
+            body = await self._events_after(backend)
+            if body is None:  # no KV events here (vLLM, SGLang): probe /health instead
+                backend.events_supported = False
+                return True
+            events = [
+                KVEvent(
+                    e["seq"],
+                    e["kind"],
+                    tuple(e["block_hashes"]),
+                    e.get("parent_hash"),
+                    tuple(e.get("block_depths", ())),
+                )
+                for e in body["events"]
+            ]
+            if body.get("lost"):  # fell behind the replica's log: start over empty
+                events.insert(0, KVEvent(0, "cleared"))
+            if events:
+                self._on_events(backend.state, events)
+            backend.last_event_seq = body["last_seq"]
+            return True
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.debug("kv events from %s: %r", backend.url, error)
+            return False
+        except (ValueError, KeyError) as error:  # answered, but not what we expect
+            log.debug("kv events from %s: %r", backend.url, error)
+            return True
 
     async def _events_after(self, backend: Backend) -> dict[str, Any] | None:
         """The backend's ``/kv_events`` answer, or ``None`` if it has no such endpoint."""

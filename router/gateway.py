@@ -73,6 +73,9 @@ class GatewayConfig:
     #: Requests that may wait for a free replica, and for how long; beyond: 429.
     max_queued: int = 512
     queue_timeout_s: float = 30.0
+    #: Tries on other replicas when one fails before the client got a byte.
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -176,6 +179,7 @@ class Gateway:
         self.metrics = Metrics(self)  # last: registering it reads the figures above
         self._seeds: dict[str | None, int] = {}
         self._prefilling: set[str] = set()
+        self.retries = 0
 
     def _make_policy(self, name: str) -> Policy:
         return make_policy(name, time.monotonic, self.rng, self.config.policy_config())
@@ -206,7 +210,9 @@ class Gateway:
         routing: RoutingRequest,
         received: float,
     ) -> Response:
-        """Send the request, as the client wrote it, to the replica the policy picks."""
+        """Send the request, as the client wrote it, to the replica the policy picks;
+        while no byte has reached the client, a failed replica's request is retried on
+        another (at most ``max_retries`` times, with jittered exponential backoff)."""
         if not self.pool.backends:
             return JSONResponse(api.error_body("no backends to route to", 503), status_code=503)
         try:
@@ -214,28 +220,70 @@ class Gateway:
         except Overloaded as error:
             headers = {"retry-after": str(error.retry_after_s)}
             return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
-        policy = self.policy
-        state = policy.choose(routing, states)
-        backend = self.pool.by_state(state)
-        self._dispatched(routing, backend, policy)
-        stream, client_wants_usage = parsed.stream, parsed.include_usage
-        if stream and not client_wants_usage:  # ask for usage anyway, to learn cached tokens
+        if parsed.stream and not parsed.include_usage:  # ask for usage, to learn cached tokens
             raw = json.dumps(
                 {**json.loads(raw), "stream_options": {"include_usage": True}}
             ).encode()
         self.metrics.overhead.observe(time.perf_counter() - received)
+        tried: set[str] = set()
+        failure = UpstreamFailed("every replica is down")
+        for attempt in range(self.config.max_retries + 1):
+            candidates = [s for s in states if s.replica_id not in tried]
+            if not candidates:
+                break
+            policy = self.policy
+            backend = self.pool.by_state(policy.choose(routing, candidates))
+            tried.add(backend.state.replica_id)
+            self._dispatched(routing, backend, policy)
+            try:
+                return await self._attempt(path, raw, parsed, routing, backend, policy)
+            except UpstreamFailed as error:
+                failure = error
+            if attempt < self.config.max_retries:
+                self.retries += 1
+                jitter = 0.5 + self.rng.random()
+                await asyncio.sleep(self.config.retry_backoff_s * 2**attempt * jitter)
+                states = self._available() or self.pool.states  # circuits may have opened
+        message = f"no replica could serve the request: {failure}"
+        return JSONResponse(api.error_body(message, 502), status_code=502)
+
+    async def _attempt(
+        self,
+        path: str,
+        raw: bytes,
+        parsed: api.CompletionRequest | api.ChatCompletionRequest,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+    ) -> Response:
+        """One try on one replica; raises :class:`UpstreamFailed` while retrying is safe."""
         try:
             response = await self.client.post(backend.url + path, data=raw, headers=JSON_HEADERS)
         except (aiohttp.ClientError, TimeoutError) as error:
+            raise self._failed(routing, backend, policy, error) from None
+        if response.status in RETRYABLE_STATUSES:
+            response.release()
             self._completed(routing, backend, policy, None, failed=True)
-            message = f"upstream {backend.url} failed: {error!r}"
-            return JSONResponse(api.error_body(message, 502), status_code=502)
-        if response.status != 200 or not stream:
+            raise UpstreamFailed(f"{backend.url} answered {response.status}")
+        if response.status != 200 or not parsed.stream:
             return await self._whole(response, routing, backend, policy)
+        try:  # the first event, before the client sees anything: a failure is retryable
+            first = await _first_line(response)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            response.release()
+            raise self._failed(routing, backend, policy, error) from None
         return StreamingResponse(
-            self._relay(response, routing, backend, policy, client_wants_usage),
+            self._relay(response, first, routing, backend, policy, parsed.include_usage),
             media_type="text/event-stream",
         )
+
+    def _failed(
+        self, routing: RoutingRequest, backend: Backend, policy: Policy, error: BaseException
+    ) -> UpstreamFailed:
+        """The replica did not answer: release the load, stop routing to it."""
+        self._completed(routing, backend, policy, None, failed=True)
+        self.pool.open_circuit(backend)
+        return UpstreamFailed(f"{backend.url} failed: {error!r}")
 
     async def _whole(
         self,
@@ -246,9 +294,8 @@ class Gateway:
     ) -> Response:
         try:
             content = await response.read()
-        except (aiohttp.ClientError, TimeoutError):
-            self._completed(routing, backend, policy, None, failed=True)
-            raise
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise self._failed(routing, backend, policy, error) from None
         finally:
             response.release()
         cached = None
@@ -263,30 +310,36 @@ class Gateway:
     async def _relay(
         self,
         response: aiohttp.ClientResponse,
+        first: str,
         routing: RoutingRequest,
         backend: Backend,
         policy: Policy,
         client_wants_usage: bool,
     ) -> AsyncIterator[bytes]:
+        """Pass the stream through; if the replica dies mid-stream, end it with an
+        error event (the client has tokens already: no silent truncation, no retry)."""
         cached: int | None = None
         failed = True
-        first = True
+        self._first_token(routing, backend)
         try:
-            async for raw in response.content:
-                line = raw.decode().rstrip("\r\n")
-                if not line:
-                    continue
-                if first:
-                    self._first_token(routing, backend)
-                    first = False
+            lines = _lines(response)
+            line: str | None = first
+            while line is not None:
                 if line.startswith("data: {") and '"usage"' in line:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage") and not chunk.get("choices"):
                         cached = _cached_tokens(chunk["usage"])
                         if not client_wants_usage:
+                            line = await anext(lines, None)
                             continue  # the gateway asked for it, the client did not
                 yield (line + "\n\n").encode()
+                line = await anext(lines, None)
             failed = False
+        except (aiohttp.ClientError, TimeoutError) as error:
+            self.pool.open_circuit(backend)
+            message = f"upstream {backend.url} failed mid-stream: {error!r}"
+            yield f"data: {json.dumps(api.error_body(message, 502))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
         finally:
             response.release()
             self._completed(routing, backend, policy, cached, failed=failed)
@@ -357,6 +410,9 @@ class Gateway:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.policy.name,
+            "retries": self.retries,
+            "refused": self.admission.refused,
+            "queued": len(self.admission),
             "tenants": {
                 name: {
                     **counts,
@@ -386,10 +442,39 @@ class Gateway:
                     },
                     "upstream_errors": b.upstream_errors,
                     "kv_events": b.events_supported,
+                    "healthy": b.healthy,
+                    "opened_at": b.opened_at,
+                    "readmitted_at": b.readmitted_at,
                 }
                 for b in self.pool.backends
             ],
         }
+
+
+class UpstreamFailed(Exception):
+    """A replica failed before the client got a byte: another replica may serve it."""
+
+
+#: Upstream answers worth another replica's try (the replica is overloaded or broken).
+RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The non-empty lines of an SSE stream."""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\r\n")
+        if line:
+            yield line
+
+
+async def _first_line(response: aiohttp.ClientResponse) -> str:
+    while True:
+        raw = await response.content.readline()
+        if not raw:
+            raise aiohttp.ClientPayloadError("the stream ended before its first event")
+        line = raw.decode().rstrip("\r\n")
+        if line:
+            return line
 
 
 def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
