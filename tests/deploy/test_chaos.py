@@ -1,0 +1,80 @@
+"""Chaos: kill one of four replica actors in the middle of a load run."""
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from loadtest.bench import embedded
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+async def load(url: str, rate: float, seconds: float) -> list[int]:
+    """Open loop, non-streamed, every request a new conversation (spread by routing)."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"Conversation {i}. " * 60, "max_tokens": 16, "ignore_eos": True}
+        return (await client.post(f"{url}/v1/completions", json=body)).status_code
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = []
+        for i in range(int(rate * seconds)):
+            tasks.append(asyncio.create_task(one(client, i)))
+            await asyncio.sleep(1 / rate)
+        return list(await asyncio.gather(*tasks))
+
+
+async def watch(url: str, name: str, old_url: str, killed: asyncio.Event) -> dict[str, float]:
+    """Seconds from the kill until the gateway stopped routing to ``name``, and until
+    it routed to it again (Ray restarted it on a new port)."""
+    seen: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5) as client:
+        await killed.wait()
+        start = time.monotonic()
+        while "readmitted" not in seen and time.monotonic() - start < 60:
+            backends = (await client.get(f"{url}/stats")).json()["backends"]
+            mine = [b for b in backends if b["replica_id"] == name]
+            if "removed" not in seen and not any(
+                b["healthy"] and b["url"] == old_url for b in mine
+            ):
+                seen["removed"] = time.monotonic() - start
+            if any(b["healthy"] and b["url"] != old_url for b in mine):
+                seen["readmitted"] = time.monotonic() - start
+            await asyncio.sleep(0.02)
+    return seen
+
+
+async def chaos(url: str, victim: dict, pid: int) -> tuple[list[int], dict[str, float]]:
+    killed = asyncio.Event()
+
+    async def kill_later() -> None:
+        await asyncio.sleep(3.0)
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
+
+    watcher = asyncio.create_task(watch(url, victim["replica_id"], victim["url"], killed))
+    statuses, _ = await asyncio.gather(load(url, rate=10, seconds=12), kill_later())
+    return statuses, await watcher
+
+
+def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
+    with embedded(4, ["--replica-speedup", "1"]) as url:
+        victim = httpx.get(f"{url}/stats").json()["backends"][1]
+        pid = httpx.get(f"{victim['url']}/stats").json()["pid"]
+        statuses, seen = asyncio.run(chaos(url, victim, pid))
+        retries = httpx.get(f"{url}/stats").json()["retries"]
+        # Back, and taking traffic again: new conversations reach it.
+        asyncio.run(load(url, rate=10, seconds=3))
+        backends = httpx.get(f"{url}/stats").json()["backends"]
+        back = next(b for b in backends if b["replica_id"] == victim["replica_id"])
+    assert statuses == [200] * len(statuses)  # not one request lost
+    assert back["url"] != victim["url"] and back["healthy"] and back["dispatched"] > 0
+    assert seen["removed"] < seen["readmitted"]
+    print(
+        f"chaos: {len(statuses)} requests, 0 failed, {retries} retried; removed after "
+        f"{seen['removed']:.2f} s, re-admitted after {seen['readmitted']:.2f} s"
+    )
