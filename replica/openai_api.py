@@ -73,6 +73,18 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
 
 
+class Rejected(Exception):
+    """A request refused with a 4xx naming the problem (``param``: the field)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.status, self.param), self.status)
+
+
 def bad_token_ids() -> JSONResponse:
     return JSONResponse(error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400)
 

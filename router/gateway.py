@@ -73,6 +73,9 @@ class GatewayConfig:
     #: Requests that may wait for a free replica, and for how long; beyond: 429.
     max_queued: int = 512
     queue_timeout_s: float = 30.0
+    #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.
+    max_request_bytes: int = 16 * 2**20
+    max_prompt_tokens: int = 131_072
     #: Tries on other replicas when one fails before the client got a byte.
     max_retries: int = 2
     retry_backoff_s: float = 0.05
@@ -451,6 +454,34 @@ class Gateway:
         }
 
 
+#: What the completion endpoints answer besides 200, for the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": text}
+    for code, text in (
+        (400, "invalid request: the message names the field"),
+        (401, "missing or invalid API key (when keys are configured)"),
+        (404, "unknown model"),
+        (413, "request body or prompt over the limit"),
+        (429, "all replicas busy and the queue full: retry after Retry-After seconds"),
+        (502, "no replica could serve the request"),
+        (503, "no backends"),
+    )
+}
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    return bytes(body)
+
+
 class UpstreamFailed(Exception):
     """A replica failed before the client got a byte: another replica may serve it."""
 
@@ -551,15 +582,30 @@ def create_app(
     def admin_only(request: Request) -> None:
         keys.admin(request.headers.get("authorization"))
 
-    async def parse(request: Request, model: type[BaseModel]) -> tuple[bytes, Any]:
+    @app.exception_handler(api.Rejected)
+    async def rejected(request: Request, error: api.Rejected) -> JSONResponse:
+        return error.response()
+
+    async def parse(
+        request: Request, model: type[api.CompletionRequest] | type[api.ChatCompletionRequest]
+    ) -> tuple[bytes, Any]:
         """The raw body (forwarded as it came) and its validated form."""
-        raw = await request.body()
+        raw = await read_capped(request, config.max_request_bytes)
         try:
-            return raw, model.model_validate_json(raw)
+            parsed = model.model_validate_json(raw)
         except ValidationError as error:
             raise RequestValidationError(error.errors()) from None
+        if parsed.model is not None and parsed.model != config.model:
+            raise api.Rejected(f"the model {parsed.model!r} does not exist", 404, "model")
+        return raw, parsed
 
-    @app.post("/v1/completions")
+    def check_length(prompt: np.ndarray, field: str) -> None:
+        if len(prompt) > config.max_prompt_tokens:
+            message = (
+                f"the prompt is {len(prompt)} tokens, over the limit of {config.max_prompt_tokens}"
+            )
+            raise api.Rejected(message, 413, field)
+
     async def completions(request: Request) -> Response:
         received = time.perf_counter()
         raw, parsed = await parse(request, api.CompletionRequest)
@@ -567,25 +613,34 @@ def create_app(
         prompt = parsed.token_ids(gateway.tokenizer)
         if prompt is None:
             return api.bad_token_ids()
+        check_length(prompt, "prompt")
         raw, routing = tenant_routing(request, raw, parsed, prompt)
         return await gateway.forward("/v1/completions", raw, parsed, routing, received)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         raw, parsed = await parse(request, api.ChatCompletionRequest)
         gateway = holder["gateway"]
         prompt = gateway.tokenizer.apply_chat_template([m.model_dump() for m in parsed.messages])
+        check_length(prompt, "messages")
         raw, routing = tenant_routing(request, raw, parsed, prompt)
         return await gateway.forward("/v1/chat/completions", raw, parsed, routing, received)
 
-    # The hot paths also as plain Starlette routes, matched first: they skip FastAPI's
-    # dependency resolution (about 0.1 ms a request here). The FastAPI routes above
-    # stay for the OpenAPI schema; validation and errors are the same code.
+    # The hot paths are plain Starlette routes: they skip FastAPI's dependency
+    # resolution (about 0.1 ms a request here). These FastAPI twins, never reached,
+    # describe their bodies in the OpenAPI schema (clients and fuzzers read it).
     app.router.routes[0:0] = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions_schema(body: api.CompletionRequest, request: Request) -> Response:
+        return await completions(request)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_schema(body: api.ChatCompletionRequest, request: Request) -> Response:
+        return await chat_completions(request)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -81,11 +81,13 @@ class ApiKeys:
 
 
 def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
-    """The salt that seeds a request's block identities. Length-prefixed, so no
-    choice of ``cache_salt`` by one tenant can spell another tenant's salt."""
+    """The salt that seeds a request's block identities: a digest of the tenant and
+    its ``cache_salt``, length-prefixed so that no ``cache_salt`` one tenant chooses
+    can spell another tenant's salt (and of fixed size, whatever the salt's)."""
     if tenant is None:
         return cache_salt
-    return f"tenant:{len(tenant)}:{tenant}:{cache_salt or ''}"
+    spelled = f"{len(tenant)}:{tenant}:{cache_salt or ''}"
+    return "tenant-" + hashlib.sha256(spelled.encode()).hexdigest()
 
 
 def _tenant(fields: list[str], where: str) -> Tenant:
