@@ -63,6 +63,10 @@ class GatewayConfig:
     #: KV blocks assumed per backend when it does not say (sizes the approximate index).
     capacity_blocks: int = 4096
     kv_events_interval_s: float = 0.05
+    #: Upstream calls: connecting, the longest silence within an answer (a queued
+    #: prefill, a slow stream) and the whole answer, in seconds.
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 120.0
     upstream_timeout_s: float = 600.0
     seed: int = 0
     #: API keys, one ``KEY TENANT [admin]`` per line (see router/tenants.py); with
@@ -541,7 +545,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=1024)
-        timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=config.upstream_timeout_s,
+            connect=config.upstream_connect_timeout_s,
+            sock_read=config.upstream_read_timeout_s,
+        )
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             gateway = holder["gateway"] = app.state.gateway = Gateway(config, client)
             for url in backends:
