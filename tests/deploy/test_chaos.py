@@ -17,7 +17,7 @@ async def load(url: str, rate: float, seconds: float) -> list[int]:
     """Open loop, non-streamed, every request a new conversation (spread by routing)."""
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
-        body = {"prompt": f"Conversation {i}. " * 60, "max_tokens": 16, "ignore_eos": True}
+        body = {"prompt": f"Conversation {i}. " * 60, "max_tokens": 96, "ignore_eos": True}
         return (await client.post(f"{url}/v1/completions", json=body)).status_code
 
     async with httpx.AsyncClient(timeout=60) as client:

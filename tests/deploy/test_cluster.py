@@ -1,5 +1,6 @@
 """Deployment onto a real `ray start --head` cluster, and onto two nodes."""
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from deploy import cluster
 from deploy.local import NAMESPACE
 from replica.server import ReplicaConfig
 from router.gateway import GatewayConfig
+from tests.loadtest.test_bench import TINY, check_report
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -151,3 +153,15 @@ def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
     finally:
         ray.shutdown()
         two_nodes.shutdown()
+
+
+def test_bench_finds_the_cluster_gateway_and_compares_policies_on_it(head, tmp_path):
+    _, gateway, _ = up_two_replicas()
+    try:
+        done = prefix_router("bench", "--address", "auto", "--out", str(tmp_path), *TINY)
+    finally:
+        prefix_router("down", "--address", "auto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_report(tmp_path, ["round_robin", "cache_aware"])
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    assert meta["target"] == f"Ray cluster auto, gateway {gateway}"
