@@ -10,7 +10,6 @@ are passed in, never global.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -18,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 import xxhash
 
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.prefix_index import IndexConfig, PrefixIndex, PrefixPopularity
 
 Clock = Callable[[], float]
 
@@ -69,14 +68,24 @@ class PolicyConfig:
     running_request_tokens: float = 256.0
     #: cache_aware: what an uncached prompt token costs, relative to a queued one. A
     #: queued token delays only this request; a token computed again is GPU work that
-    #: every request queued after it waits for, and a prefix abandoned on its replica.
+    #: every request queued after it waits for. A token of a popular prefix (shared by
+    #: many recent requests, like a system prompt) weighs ``recompute_weight``: copying
+    #: it to another replica is paid once and serves every later request there. A token
+    #: of the conversation's own history weighs ``private_recompute_weight``: moving it
+    #: is paid again on every move, and leaves a stale copy behind.
     recompute_weight: float = 4.0
+    private_recompute_weight: float = 16.0
+    #: cache_aware: a prefix is popular once this many recent requests passed through
+    #: it (more than the turns of most conversations).
+    popular_requests: int = 16
     #: cache_aware: a cold prefix may go to any replica within this much work of the
     #: least loaded; among them the rendezvous choice wins, so routers agree.
     cold_slack_tokens: float = 512.0
-    #: cache_aware: no replica takes a request while it has more than this many times
-    #: the fleet's mean outstanding requests (consistent hashing with bounded loads).
+    #: cache_aware: bounded loads, made soft: a replica holding more than ``load_bound``
+    #: times the fleet's mean outstanding requests weighs ``overflow_tokens`` more per
+    #: request beyond it. A short prefix moves away; a long private history may stay.
     load_bound: float = 1.5
+    overflow_tokens: float = 2048.0
     #: sglang_cache_aware: SGLang router's defaults.
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -89,8 +98,11 @@ class PolicyConfig:
             raise ValueError("cache_threshold must lie in [0, 1]")
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
             raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
-        if self.recompute_weight <= 0:
-            raise ValueError("recompute_weight must be positive")
+        if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
+            raise ValueError("recompute_weight and private_recompute_weight must be positive")
+        if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
+            raise ValueError("load_bound must be at least 1, overflow_tokens not negative "
+                             "and popular_requests positive")  # fmt: skip
 
 
 class Policy:
@@ -242,18 +254,19 @@ class _Indexed(Policy):
 class CacheAware(_Indexed):
     """Least total work: the prefill a replica would do plus the work queued on it.
 
-    cost(replica) = recompute_weight x uncached prompt tokens there
+    cost(replica) = recompute_weight x uncached tokens of a popular prefix there
+                  + private_recompute_weight x the request's other uncached tokens
                   + its outstanding prefill tokens
                   + running_request_tokens x its outstanding requests
+                  + overflow_tokens x its outstanding requests beyond the load bound
 
-    all in prefill tokens. Lowest cost wins, ties at random. Queued tokens delay only
-    this request, while a token computed again is work every later request on that
-    replica waits for, and leaves a cached prefix behind: hence the weight (4).
-
-    Only replicas under a load cap compete: fewer outstanding requests than
-    ``load_bound`` (1.5) times the fleet's mean, counting this request (consistent
-    hashing with bounded loads, Mirrokni et al. 2018). At light load the cost terms
-    hardly weigh, so without the cap a popular app's sessions pile onto one replica.
+    all in prefill tokens. Lowest cost wins, ties at random. A popular prefix (a
+    system prompt many sessions share) is cheap to copy to a less loaded replica, so
+    new sessions spread; a conversation's own history is dear to move, so its next
+    turn stays where it is cached. The load bound, ``load_bound`` (1.5) times the
+    fleet's mean outstanding requests (consistent hashing with bounded loads,
+    Mirrokni et al. 2018, made soft), keeps a lightly loaded fleet even, where the
+    queue terms hardly weigh.
 
     A hot shared prompt cached on one replica is copied to another as soon as the
     first replica's queue outweighs the copy, so it never stays pinned while others
@@ -265,18 +278,22 @@ class CacheAware(_Indexed):
 
     name = "cache_aware"
 
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
+        self.popularity = PrefixPopularity()
+
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        replicas = self._within_bound(replicas)
         matched = self._matches(request, replicas)
-        loads = [self._load(r) for r in replicas]
+        popular = self._popular_tokens(request)
+        loads = self._loads(replicas)
         if not any(matched.values()):
             request.predicted_cached_tokens = 0
             ceiling = min(loads) + self.config.cold_slack_tokens
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             return rendezvous(rendezvous_key(request), near)
-        weight, prompt = self.config.recompute_weight, request.num_prompt_tokens
+        prompt = request.num_prompt_tokens
         costs = [
-            weight * (prompt - matched.get(r.replica_id, 0)) + load
+            self._recompute_cost(prompt, popular, matched.get(r.replica_id, 0)) + load
             for r, load in zip(replicas, loads, strict=True)
         ]
         best = min(costs)
@@ -284,16 +301,28 @@ class CacheAware(_Indexed):
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
         return chosen
 
-    def _within_bound(self, replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState]:
-        total = sum(r.outstanding_requests for r in replicas) + 1
-        cap = math.ceil(self.config.load_bound * total / len(replicas))
-        return [r for r in replicas if r.outstanding_requests < cap] or replicas
+    def _popular_tokens(self, request: RoutingRequest) -> int:
+        """Leading tokens of the request that many recent requests shared."""
+        config = self.config
+        depth = self.popularity.observe(request.stride_hashes, config.popular_requests)
+        return min(depth * config.block_size * config.index.stride, request.num_prompt_tokens)
 
-    def _load(self, replica: ReplicaState) -> float:
-        return (
-            replica.outstanding_prefill_tokens
-            + self.config.running_request_tokens * replica.outstanding_requests
-        )
+    def _recompute_cost(self, prompt: int, popular: int, cached: int) -> float:
+        """Uncached tokens, those of the popular prefix and the request's own apart."""
+        shared = max(0, popular - cached)
+        own = prompt - max(popular, cached)
+        return self.config.recompute_weight * shared + self.config.private_recompute_weight * own
+
+    def _loads(self, replicas: Sequence[ReplicaState]) -> list[float]:
+        config = self.config
+        mean = (sum(r.outstanding_requests for r in replicas) + 1) / len(replicas)
+        cap = config.load_bound * mean  # the mean counts this request
+        return [
+            r.outstanding_prefill_tokens
+            + config.running_request_tokens * r.outstanding_requests
+            + config.overflow_tokens * max(0.0, r.outstanding_requests + 1 - cap)
+            for r in replicas
+        ]
 
 
 class CacheAwareApproximate(CacheAware):

@@ -258,3 +258,36 @@ class PrefixIndex:
             for block_hash, depth in zip(event.block_hashes, event.block_depths, strict=True)
             if depth % stride == stride - 1
         ]
+
+
+class PrefixPopularity:
+    """How many recent requests passed through each prefix, by stride identity.
+
+    Every count halves each ``half_life_requests`` requests, so counts measure recent
+    traffic and memory stays bounded (a count that reaches zero is dropped).
+    """
+
+    def __init__(self, half_life_requests: int = 4096) -> None:
+        self._counts: dict[int, int] = {}
+        self._half_life = half_life_requests
+        self._seen = 0
+
+    def observe(self, stride_hashes: Sequence[int], threshold: int) -> int:
+        """Count one request through its prefixes; return how many of its leading
+        strides at least ``threshold`` recent requests (this one included) shared."""
+        self._seen += 1
+        if self._seen % self._half_life == 0:
+            self._halve()
+        counts, depth = self._counts, 0
+        for position, block_hash in enumerate(stride_hashes):
+            count = counts.get(block_hash, 0) + 1
+            counts[block_hash] = count
+            if count >= threshold:
+                depth = position + 1
+        return depth
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _halve(self) -> None:
+        self._counts = {h: c // 2 for h, c in self._counts.items() if c > 1}

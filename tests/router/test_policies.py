@@ -144,22 +144,44 @@ def test_cache_aware_keeps_affinity_for_long_prefixes_when_a_replica_is_busy():
         chosen = pol.choose(req, [replicas[0]])  # both cached on replica-0
         pol.on_dispatch(req, chosen)
     replicas[0].outstanding_requests, replicas[1].outstanding_requests = 6, 3  # within bound
-    replicas[0].outstanding_prefill_tokens = 1000  # busy, but not 8,000 tokens busy
+    replicas[0].outstanding_prefill_tokens = 5000  # busy, but not 8,000 tokens busy
     stay = pol.choose(request(np.concatenate((long_history, prompt(40, 7))), "l2"), replicas)
     move = pol.choose(request(np.concatenate((short_history, prompt(40, 7))), "s2"), replicas)
     assert stay.replica_id == "replica-0" and move.replica_id == "replica-1"
 
 
-def test_cache_aware_sends_nothing_to_a_replica_over_its_load_bound():
+def test_cache_aware_moves_short_histories_off_a_replica_over_its_load_bound():
     replicas, pol = fleet(2), policy("cache_aware")
-    history = prompt(8000)
-    home = dispatch(pol, request(history, "turn-1"), replicas)
-    other = next(r for r in replicas if r is not home)
-    follow_up = request(np.concatenate((history, prompt(40, 7))), "turn-2")
-    # The cap counts the new request: ceil(1.5 x (3 + 1) / 2) = 3, so 3 is at it...
-    home.outstanding_requests = 3
-    assert pol.choose(follow_up, replicas) is other
-    home.outstanding_requests = 2  # ...and 2 under it (ceil(1.5 x 3 / 2) = 3): affinity wins
+    short, long = prompt(300), prompt(8000, 50_000)
+    for history in (short, long):
+        pol.on_dispatch(request(history), replicas[0])  # both cached on replica-0
+    home, other = replicas
+    short_turn = request(np.concatenate((short, prompt(40, 7))), "short-2")
+    long_turn = request(np.concatenate((long, prompt(40, 7))), "long-2")
+    home.outstanding_requests = 2  # under the bound, 1.5 x the mean (2 + 1) / 2
+    assert pol.choose(short_turn, replicas) is home
+    # Far over it (7 against a cap of 5.25), a short history is cheaper to recompute
+    # elsewhere; a long one still is not.
+    home.outstanding_requests = 6
+    assert pol.choose(short_turn, replicas) is other
+    assert pol.choose(long_turn, replicas) is home
+
+
+def test_a_popular_prefix_is_cheap_to_copy_so_new_sessions_spread():
+    replicas, pol = fleet(2), policy("cache_aware")
+    system = prompt(1500)
+    for i in range(20):  # the app's prompt is popular, cached on replica-0 only
+        req = request(np.concatenate((system, prompt(50, 1000 + 100 * i))), f"s{i}")
+        pol.on_dispatch(req, pol.choose(req, replicas[:1]))
+    home, other = replicas
+    home.outstanding_requests = 8  # others idle
+    # Copying the popular prompt (1,472 tokens x 4) costs less than 8 requests' work...
+    new_session = request(np.concatenate((system, prompt(50, 99_000))), "new")
+    assert pol.choose(new_session, replicas) is other
+    # ...moving a conversation's own history of the same length (x 16) does not.
+    history = prompt(1550, 77_000)
+    pol.on_dispatch(request(history, "private"), home)
+    follow_up = request(np.concatenate((history, prompt(50, 5))), "private-2")
     assert pol.choose(follow_up, replicas) is home
 
 

@@ -161,3 +161,16 @@ def test_the_coarse_to_fine_match_equals_a_plain_scan_on_random_fleets():
                 if held:
                     expected[name] = held * BLOCK * STRIDE
             assert index.match(hashes) == expected
+
+
+def test_popularity_counts_recent_requests_per_prefix_and_forgets_by_halving():
+    from router.prefix_index import PrefixPopularity
+
+    popularity = PrefixPopularity(half_life_requests=100)
+    shared = [1, 2, 3]
+    depths = [popularity.observe([*shared, 1000 + i], threshold=5) for i in range(10)]
+    assert depths[:4] == [0, 0, 0, 0] and depths[4:] == [3] * 6  # the shared 3 strides
+    for i in range(10_000):  # unique traffic: halving keeps memory bounded
+        popularity.observe([10_000 + i], threshold=5)
+    assert len(popularity) < 200
+    assert popularity.observe(shared, threshold=5) == 0  # and old popularity fades
