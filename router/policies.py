@@ -292,8 +292,14 @@ class CacheAware(_Indexed):
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             return rendezvous(rendezvous_key(request), near)
         prompt = request.num_prompt_tokens
+        nothing_cached = self._recompute_cost(prompt, popular, 0)  # most replicas, often
         costs = [
-            self._recompute_cost(prompt, popular, matched.get(r.replica_id, 0)) + load
+            load
+            + (
+                self._recompute_cost(prompt, popular, matched[r.replica_id])
+                if r.replica_id in matched
+                else nothing_cached
+            )
             for r, load in zip(replicas, loads, strict=True)
         ]
         best = min(costs)
@@ -301,10 +307,14 @@ class CacheAware(_Indexed):
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
         return chosen
 
+    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        super().on_dispatch(request, replica)
+        self.popularity.record(request.stride_hashes)
+
     def _popular_tokens(self, request: RoutingRequest) -> int:
         """Leading tokens of the request that many recent requests shared."""
         config = self.config
-        depth = self.popularity.observe(request.stride_hashes, config.popular_requests)
+        depth = self.popularity.depth(request.stride_hashes, config.popular_requests)
         return min(depth * config.block_size * config.index.stride, request.num_prompt_tokens)
 
     def _recompute_cost(self, prompt: int, popular: int, cached: int) -> float:
@@ -317,12 +327,14 @@ class CacheAware(_Indexed):
         config = self.config
         mean = (sum(r.outstanding_requests for r in replicas) + 1) / len(replicas)
         cap = config.load_bound * mean  # the mean counts this request
-        return [
-            r.outstanding_prefill_tokens
-            + config.running_request_tokens * r.outstanding_requests
-            + config.overflow_tokens * max(0.0, r.outstanding_requests + 1 - cap)
-            for r in replicas
-        ]
+        per_request, overflow = config.running_request_tokens, config.overflow_tokens
+        loads = []
+        for replica in replicas:
+            held = replica.outstanding_requests
+            excess = held + 1 - cap
+            queued = replica.outstanding_prefill_tokens + per_request * held
+            loads.append(queued + overflow * excess if excess > 0 else queued)
+        return loads
 
 
 class CacheAwareApproximate(CacheAware):

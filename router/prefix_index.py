@@ -263,7 +263,10 @@ class PrefixIndex:
 class PrefixPopularity:
     """How many recent requests passed through each prefix, by stride identity.
 
-    Every count halves each ``half_life_requests`` requests, so counts measure recent
+    Every request passing a stride passed all the strides before it, so counts never
+    grow along a prompt: the popular part of a prompt is found by binary search, in
+    a handful of look-ups on the routing path. Counting happens at dispatch. Every
+    count halves each ``half_life_requests`` requests, so counts measure recent
     traffic and memory stays bounded (a count that reaches zero is dropped).
     """
 
@@ -272,22 +275,25 @@ class PrefixPopularity:
         self._half_life = half_life_requests
         self._seen = 0
 
-    def observe(self, stride_hashes: Sequence[int], threshold: int) -> int:
-        """Count one request through its prefixes; return how many of its leading
-        strides at least ``threshold`` recent requests (this one included) shared."""
+    def record(self, stride_hashes: Sequence[int]) -> None:
+        """Count one request through each of its prefixes."""
         self._seen += 1
         if self._seen % self._half_life == 0:
-            self._halve()
-        counts, depth = self._counts, 0
-        for position, block_hash in enumerate(stride_hashes):
-            count = counts.get(block_hash, 0) + 1
-            counts[block_hash] = count
-            if count >= threshold:
-                depth = position + 1
-        return depth
+            self._counts = {h: c // 2 for h, c in self._counts.items() if c > 1}
+        counts = self._counts
+        for block_hash in stride_hashes:
+            counts[block_hash] = counts.get(block_hash, 0) + 1
+
+    def depth(self, stride_hashes: Sequence[int], threshold: int) -> int:
+        """How many leading strides at least ``threshold`` recent requests shared."""
+        low, high = 0, len(stride_hashes)  # the answer lies in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._counts.get(stride_hashes[middle - 1], 0) >= threshold:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def __len__(self) -> int:
         return len(self._counts)
-
-    def _halve(self) -> None:
-        self._counts = {h: c // 2 for h, c in self._counts.items() if c > 1}

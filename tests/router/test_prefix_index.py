@@ -168,9 +168,13 @@ def test_popularity_counts_recent_requests_per_prefix_and_forgets_by_halving():
 
     popularity = PrefixPopularity(half_life_requests=100)
     shared = [1, 2, 3]
-    depths = [popularity.observe([*shared, 1000 + i], threshold=5) for i in range(10)]
-    assert depths[:4] == [0, 0, 0, 0] and depths[4:] == [3] * 6  # the shared 3 strides
+    for i in range(5):
+        assert popularity.depth([*shared, 1000 + i], threshold=5) == 0
+        popularity.record([*shared, 1000 + i])
+    assert popularity.depth([*shared, 999], threshold=5) == 3  # the shared strides
+    assert popularity.depth([*shared, 999], threshold=6) == 0
+    assert popularity.depth([1, 2], threshold=5) == 2 and popularity.depth([], 5) == 0
     for i in range(10_000):  # unique traffic: halving keeps memory bounded
-        popularity.observe([10_000 + i], threshold=5)
+        popularity.record([10_000 + i])
     assert len(popularity) < 200
-    assert popularity.observe(shared, threshold=5) == 0  # and old popularity fades
+    assert popularity.depth(shared, threshold=5) == 0  # and old popularity fades
