@@ -53,6 +53,18 @@ def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> d
     return values
 
 
+def config_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """The command-line flags that :func:`add_config_flags` reads back as ``values``."""
+    flags = []
+    for name, value in values.items():
+        flag = f"--{prefix}{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def _dest(prefix: str, name: str) -> str:
     return f"{prefix}{name}".replace("-", "_")
 

@@ -31,6 +31,7 @@ import psutil
 from tqdm import tqdm
 
 from deploy import processes
+from deploy.cli import config_flags
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import ROW_KEYS, Row, replay_row
 from loadtest.workloads import ChatConfig, Workload, load_workload
@@ -235,9 +236,7 @@ def locust_command(config: BenchConfig, gateway: str, prefix: Path) -> list[str]
     if config.workload == "chat":
         chat = config.chat_config()
         command += ["--arrival-rate", str(chat.get("session_rate", ChatConfig().session_rate))]
-        for name, value in chat.items():
-            if name != "seed":
-                command += [f"--chat-{name.replace('_', '-')}", str(value)]
+        command += config_flags({k: v for k, v in chat.items() if k != "seed"}, prefix="chat-")
     return command
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from deploy.cli import add_config_flags, config_overrides
+from deploy.cli import add_config_flags, config_flags, config_overrides
 from loadtest import bench, plots
 from loadtest.bench import BenchConfig
 from loadtest.replay_cli import TRACE_CAPACITY_BLOCKS
@@ -139,14 +139,7 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
     overrides.setdefault(
         "num_blocks", bench.BENCH_REPLICA_BLOCKS if chat else TRACE_CAPACITY_BLOCKS
     )
-    flags = []
-    for name, value in overrides.items():
-        flag = f"--replica-{name.replace('_', '-')}"
-        if isinstance(value, bool):
-            flags.append(flag if value else flag.replace("--", "--no-", 1))
-        else:
-            flags += [flag, str(value)]
-    return flags
+    return config_flags(overrides, prefix="replica-")
 
 
 def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:

@@ -42,9 +42,6 @@ class Backend:
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
-    #: Loop times the circuit last opened and closed (for the chaos test's figures).
-    opened_at: float | None = None
-    readmitted_at: float | None = None
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
     _probe_now: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -87,7 +84,6 @@ class BackendPool:
         of its ``/health`` re-admit it, with an empty index."""
         if backend.healthy and backend.state.replica_id in self._backends:
             backend.healthy = False
-            backend.opened_at = asyncio.get_running_loop().time()
             backend._probe_now.set()  # start probing its health now, not after a poll interval
             self._on_removed(backend.state)
             log.warning("backend %s is down: no more requests until it is healthy", backend.url)
@@ -95,7 +91,6 @@ class BackendPool:
     def _readmit(self, backend: Backend) -> None:
         backend.healthy, backend.failed_probes = True, 0
         backend.last_event_seq, backend.events_supported = 0, True  # it may have restarted
-        backend.readmitted_at = asyncio.get_running_loop().time()
         self._on_added(backend.state)
         log.warning("backend %s is healthy again", backend.url)
 

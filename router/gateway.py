@@ -184,7 +184,6 @@ class Gateway:
         self.client = client
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self.metrics = Metrics(self)  # last: registering it reads the figures above
-        self._seeds: dict[str | None, int] = {}
         self._prefilling: set[str] = set()
         self.retries = 0
 
@@ -202,9 +201,7 @@ class Gateway:
         self, prompt: np.ndarray, cache_salt: str | None, tenant: str | None = None
     ) -> RoutingRequest:
         """Hash the prompt as a replica will: seeded by model and (tenant) salt."""
-        seed = self._seeds.get(cache_salt)
-        if seed is None:
-            seed = self._seeds[cache_salt] = identity_seed(self.config.model, cache_salt)
+        seed = identity_seed(self.config.model, cache_salt)  # one short hash, no cache to grow
         stride_tokens = self.config.block_size * self.config.stride
         hashes = block_hashes(prompt, stride_tokens, seed)
         return RoutingRequest(api.new_id("route"), len(prompt), hashes, tenant=tenant)
@@ -216,10 +213,12 @@ class Gateway:
         parsed: api.CompletionRequest | api.ChatCompletionRequest,
         routing: RoutingRequest,
         received: float,
+        fields: dict[str, Any] | None = None,
     ) -> Response:
-        """Send the request, as the client wrote it, to the replica the policy picks;
-        while no byte has reached the client, a failed replica's request is retried on
-        another (at most ``max_retries`` times, with jittered exponential backoff)."""
+        """Send the request, as the client wrote it (with ``fields`` set), to the
+        replica the policy picks; while no byte has reached the client, a failed
+        replica's request is retried on another (at most ``max_retries`` times, with
+        jittered exponential backoff)."""
         if not self.pool.backends:
             return JSONResponse(api.error_body("no backends to route to", 503), status_code=503)
         try:
@@ -227,10 +226,11 @@ class Gateway:
         except Overloaded as error:
             headers = {"retry-after": str(error.retry_after_s)}
             return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
+        fields = dict(fields or {})
         if parsed.stream and not parsed.include_usage:  # ask for usage, to learn cached tokens
-            raw = json.dumps(
-                {**json.loads(raw), "stream_options": {"include_usage": True}}
-            ).encode()
+            fields["stream_options"] = {"include_usage": True}
+        if fields:  # one rewrite of the body, only when something must change
+            raw = json.dumps({**json.loads(raw), **fields}).encode()
         self.metrics.overhead.observe(time.perf_counter() - received)
         tried: set[str] = set()
         failure = UpstreamFailed("every replica is down")
@@ -450,8 +450,6 @@ class Gateway:
                     "upstream_errors": b.upstream_errors,
                     "kv_events": b.events_supported,
                     "healthy": b.healthy,
-                    "opened_at": b.opened_at,
-                    "readmitted_at": b.readmitted_at,
                 }
                 for b in self.pool.backends
             ],
@@ -576,16 +574,15 @@ def create_app(
         return JSONResponse(body, status_code=error.status, headers=headers)
 
     def tenant_routing(
-        request: Request, raw: bytes, parsed: Any, prompt: np.ndarray
-    ) -> tuple[bytes, RoutingRequest]:
+        request: Request, parsed: Any, prompt: np.ndarray
+    ) -> tuple[RoutingRequest, dict[str, Any]]:
         """Authenticate, and seed the request's identities with its tenant's salt, in
-        the gateway and (through ``cache_salt``) in the replica alike."""
+        the gateway and (through the ``cache_salt`` field forwarded) in the replica."""
         tenant: Tenant | None = keys.tenant(request.headers.get("authorization"))
         name = tenant.name if tenant else None
         salt = tenant_salt(name, parsed.cache_salt)
-        if salt != parsed.cache_salt:
-            raw = json.dumps({**json.loads(raw), "cache_salt": salt}).encode()
-        return raw, holder["gateway"].routing_request(prompt, salt, name)
+        fields = {"cache_salt": salt} if salt != parsed.cache_salt else {}
+        return holder["gateway"].routing_request(prompt, salt, name), fields
 
     def admin_only(request: Request) -> None:
         keys.admin(request.headers.get("authorization"))
@@ -622,8 +619,8 @@ def create_app(
         if prompt is None:
             return api.bad_token_ids()
         check_length(prompt, "prompt")
-        raw, routing = tenant_routing(request, raw, parsed, prompt)
-        return await gateway.forward("/v1/completions", raw, parsed, routing, received)
+        routing, fields = tenant_routing(request, parsed, prompt)
+        return await gateway.forward("/v1/completions", raw, parsed, routing, received, fields)
 
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
@@ -631,8 +628,8 @@ def create_app(
         gateway = holder["gateway"]
         prompt = gateway.tokenizer.apply_chat_template([m.model_dump() for m in parsed.messages])
         check_length(prompt, "messages")
-        raw, routing = tenant_routing(request, raw, parsed, prompt)
-        return await gateway.forward("/v1/chat/completions", raw, parsed, routing, received)
+        routing, fields = tenant_routing(request, parsed, prompt)
+        return await gateway.forward("/v1/chat/completions", raw, parsed, routing, received, fields)
 
     # The hot paths are plain Starlette routes: they skip FastAPI's dependency
     # resolution (about 0.1 ms a request here). These FastAPI twins, never reached,

@@ -15,10 +15,10 @@ from ray.cluster_utils import Cluster
 
 from deploy import cluster
 from deploy.local import NAMESPACE
+from deploy.processes import free_port
 from replica.server import ReplicaConfig
 from router.gateway import GatewayConfig
 from tests.loadtest.test_bench import TINY, check_report
-from tests.servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, wait_until
+from deploy.processes import free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

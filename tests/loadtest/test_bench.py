@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from deploy.processes import running
 from loadtest.bench import BenchConfig
-from tests.servers import running
 
 pytestmark = pytest.mark.slow
 

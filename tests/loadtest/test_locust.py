@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

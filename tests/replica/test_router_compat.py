@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import free_port, running
+from deploy.processes import free_port, running
 
 pytestmark = pytest.mark.slow
 

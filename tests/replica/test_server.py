@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

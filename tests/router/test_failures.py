@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deploy import processes
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.servers import running
+from deploy.processes import running
 
 pytestmark = pytest.mark.slow
 

@@ -3,8 +3,8 @@
 import httpx
 import pytest
 
+from deploy.processes import running
 from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
-from tests.servers import running
 
 SYSTEM = "You are the assistant of a bank; account numbers follow. " * 40
 
