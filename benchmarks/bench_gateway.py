@@ -15,7 +15,7 @@ import time
 import httpx
 import numpy as np
 
-from tests.servers import running
+from deploy.processes import running
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:
