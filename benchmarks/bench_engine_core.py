@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
 from replica.prefix_cache import Block, PrefixCache
 from replica.sequence import EngineRequest
-from replica.tokenizer import TOKEN_DTYPE
 
 BLOCK_SIZE = 16
 CHAIN = 64  # blocks per prompt: a 1,024-token prompt

@@ -17,12 +17,12 @@ import numpy as np
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row
 from loadtest.workloads import load_workload
-from replica.hashing import block_hashes, identity_seed
-from replica.tokenizer import TOKEN_DTYPE
+from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.tokenizer import TOKEN_DTYPE
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-STRIDE_TOKENS = 64
+STRIDE_TOKENS = PolicyConfig().stride_tokens
 
 
 def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[float, float]:
@@ -30,7 +30,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
     rng = np.random.default_rng(0)
     fleet = [ReplicaState(f"replica-{i}", 26_000) for i in range(replicas)]
     policy = make_policy("cache_aware", time.monotonic, rng, PolicyConfig())
-    seed = identity_seed("sim-llama3-8b")
+    seed = identity_seed(DEFAULT_MODEL)
     prompts = [
         rng.integers(0, 2**32, prompt_tokens, dtype=np.uint64).astype(TOKEN_DTYPE)
         for _ in range(64)

@@ -1,78 +1,26 @@
-"""``prefix-router``: the command line. Flags and defaults come from config dataclasses."""
+"""``prefix-router``: the command line, on top of everything and imported by nothing.
+
+Flags and defaults come from the config dataclasses (see ``deploy/flags.py``). What
+starts Ray is imported only by the commands that need it, so ``replay`` starts fast.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-
-def add_config_flags(
-    parser: argparse.ArgumentParser,
-    cls: type,
-    prefix: str = "",
-    skip: Sequence[str] = (),
-    env_prefix: str | None = None,
-) -> None:
-    """One ``--prefix-name`` flag per scalar field of dataclass ``cls``.
-
-    Flags default to ``None`` (their help shows the dataclass default), so
-    :func:`config_overrides` returns exactly what the user gave. With ``env_prefix``
-    (for Locust's configargparse parser) each flag also reads ``ENV_PREFIX_NAME``.
-    """
-    group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
-    for field in dataclasses.fields(cls):
-        if field.name in skip or field.default is dataclasses.MISSING:
-            continue
-        kind = type(field.default)
-        if kind not in (int, float, str, bool):
-            continue
-        flag = f"--{prefix}{field.name.replace('_', '-')}"
-        dest = _dest(prefix, field.name)
-        extra: dict[str, Any] = {}
-        if env_prefix is not None:
-            extra["env_var"] = f"{env_prefix}{field.name}".upper()
-        if kind is bool:
-            action: Any = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=dest, action=action, default=None, **extra)
-        else:
-            metavar = kind.__name__.upper()
-            help_text = f"default: {field.default}"
-            group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=help_text, **extra)
-
-
-def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
-    """The fields of ``cls`` that the user set on the command line."""
-    values = {}
-    for field in dataclasses.fields(cls):
-        value = getattr(args, _dest(prefix, field.name), None)
-        if value is not None:
-            values[field.name] = value
-    return values
-
-
-def config_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
-    """The command-line flags that :func:`add_config_flags` reads back as ``values``."""
-    flags = []
-    for name, value in values.items():
-        flag = f"--{prefix}{name.replace('_', '-')}"
-        if isinstance(value, bool):
-            flags.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def _dest(prefix: str, name: str) -> str:
-    return f"{prefix}{name}".replace("-", "_")
+from deploy.flags import add_config_flags, config_from_args
+from deploy.serving import serve_http
+from loadtest.bench_cli import add_bench_parser
+from loadtest.replay_cli import add_replay_parser
+from replica.api.config import ReplicaConfig
+from replica.engine import EngineConfig
+from router.config import GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loadtest.bench_cli import add_bench_parser
-    from loadtest.replay_cli import add_replay_parser
-
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(commands)
@@ -84,10 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_cluster_parsers(commands: Any) -> None:
-    from replica.server import ReplicaConfig
-    from router.gateway import GatewayConfig
+def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags, and the replicas' as ``--replica-*`` (they serve its model)."""
+    add_config_flags(parser, GatewayConfig)
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
 
+
+def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, ReplicaConfig]:
+    gateway = config_from_args(GatewayConfig, args)
+    replica = config_from_args(ReplicaConfig, args, prefix="replica_", model=gateway.model)
+    EngineConfig.for_replica(replica)  # refuse a bad replica here, not in every actor
+    return gateway, replica
+
+
+def add_cluster_parsers(commands: Any) -> None:
     up = commands.add_parser(
         "up",
         help="deploy (or rescale) replicas and the gateway onto a `ray start` cluster",
@@ -97,8 +55,7 @@ def add_cluster_parsers(commands: Any) -> None:
     up.add_argument("--replicas", type=int, default=4)
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
     up.add_argument("--port", type=int, default=8000, help="the gateway's port")
-    add_config_flags(up, GatewayConfig)
-    add_config_flags(up, ReplicaConfig, prefix="replica-", skip=("model",))
+    add_fleet_flags(up)
     up.set_defaults(run=run_up)
     for name, text, run in (
         ("status", "list the replicas: nodes, URLs, health, hit rates", run_status),
@@ -111,13 +68,8 @@ def add_cluster_parsers(commands: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from deploy import cluster
-    from replica.server import ReplicaConfig
-    from router.gateway import GatewayConfig
 
-    gateway = GatewayConfig(**config_overrides(args, GatewayConfig))
-    replica = ReplicaConfig(
-        model=gateway.model, **config_overrides(args, ReplicaConfig, prefix="replica_")
-    )
+    gateway, replica = fleet_configs(args)
     cluster.connect(args.address)
     url, replicas = cluster.up(args.replicas, replica, gateway, args.host, args.port)
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
@@ -149,9 +101,6 @@ def run_down(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(commands: Any) -> None:
-    from replica.server import ReplicaConfig
-    from router.gateway import GatewayConfig
-
     parser = commands.add_parser(
         "serve",
         help="the embedded deployment: local Ray, N replica actors and the gateway",
@@ -160,45 +109,19 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    add_config_flags(parser, GatewayConfig)
-    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
+    add_fleet_flags(parser)
     parser.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from deploy.local import serve
-    from replica.server import ReplicaConfig
-    from router.gateway import GatewayConfig
 
-    gateway = GatewayConfig(**config_overrides(args, GatewayConfig))
-    overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
-    replica = ReplicaConfig(model=gateway.model, **overrides)
+    gateway, replica = fleet_configs(args)
     serve(args.replicas, replica, gateway, args.host, args.port)
     return 0
 
 
-#: On SIGTERM or Ctrl-C a server stops accepting, lets requests in flight finish (for
-#: at most this long), then exits.
-GRACEFUL_SHUTDOWN_S = 30
-
-
-def serve_http(app: Any, host: str, port: int) -> None:
-    """Serve an ASGI app in the foreground until interrupted (quiet: no access log)."""
-    import uvicorn
-
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-
-
 def add_gateway_parser(commands: Any) -> None:
-    from router.gateway import GatewayConfig
-
     parser = commands.add_parser(
         "gateway",
         help="run the routing gateway alone, in front of OpenAI-compatible servers",
@@ -212,16 +135,14 @@ def add_gateway_parser(commands: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from router.gateway import GatewayConfig, create_app
+    from router.app import create_app
 
-    config = GatewayConfig(**config_overrides(args, GatewayConfig))
+    config = config_from_args(GatewayConfig, args)
     serve_http(create_app(config, args.backend), args.host, args.port)
     return 0
 
 
 def add_replica_parser(commands: Any) -> None:
-    from replica.server import ReplicaConfig
-
     parser = commands.add_parser(
         "replica",
         help="serve one simulated engine replica over HTTP, without Ray",
@@ -234,9 +155,9 @@ def add_replica_parser(commands: Any) -> None:
 
 
 def run_replica(args: argparse.Namespace) -> int:
-    from replica.server import ReplicaConfig, create_app
+    from replica.server import create_app
 
-    config = ReplicaConfig(**config_overrides(args, ReplicaConfig))
+    config = config_from_args(ReplicaConfig, args)
     serve_http(create_app(config), args.host, args.port)
     return 0
 

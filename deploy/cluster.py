@@ -18,12 +18,14 @@ import httpx
 import ray
 import uvicorn
 
-from deploy.local import NAMESPACE
-from replica.actor import REPLICA_PREFIX, ReplicaActor
-from replica.server import ReplicaConfig
-from router.gateway import GatewayConfig, create_app
+from deploy.names import GATEWAY_NAME, NAMESPACE, REPLICA_PREFIX
+from replica.actor import ReplicaActor
+from replica.api import stats as stats_codec
+from replica.api.config import ReplicaConfig
+from replica.api.stats import ReplicaStats
+from router.app import create_app
+from router.config import GatewayConfig
 
-GATEWAY_NAME = "gateway"
 HEAD_RESOURCE = "node:__internal_head__"
 REPLICA_CPUS = 0.01
 
@@ -132,12 +134,11 @@ def status(timeout_s: float = 10.0) -> tuple[str | None, list[ReplicaStatus]]:
 
 def _probe(name: str, node: str, url: str, timeout_s: float) -> ReplicaStatus:
     try:
-        stats = httpx.get(f"{url}/stats", timeout=timeout_s).json()
-        return ReplicaStatus(
-            name, node, url, True, stats["requests"], stats["cache"]["token_hit_rate"]
-        )
-    except (httpx.HTTPError, ValueError, KeyError):
+        answer = httpx.get(f"{url}/stats", timeout=timeout_s)
+        stats = stats_codec.decode(ReplicaStats, answer.content)
+    except (httpx.HTTPError, ValueError):
         return ReplicaStatus(name, node, url, False, None, None)
+    return ReplicaStatus(name, node, url, True, stats.requests, stats.cache.token_hit_rate)
 
 
 def down() -> int:

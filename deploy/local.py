@@ -6,18 +6,16 @@ this process. Ctrl-C (or SIGTERM) stops the gateway, the actors and Ray, in that
 
 from __future__ import annotations
 
-import logging
 import os
 
 import ray
 
-from deploy.cli import serve_http
-from replica.actor import REPLICA_PREFIX, ReplicaActor
-from replica.server import ReplicaConfig
-from router.gateway import GatewayConfig, create_app
-
-NAMESPACE = "prefix-router"
-log = logging.getLogger(__name__)
+from deploy.names import NAMESPACE, REPLICA_PREFIX
+from deploy.serving import serve_http
+from replica.actor import ReplicaActor
+from replica.api.config import ReplicaConfig
+from router.app import create_app
+from router.config import GatewayConfig
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:

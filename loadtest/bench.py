@@ -31,11 +31,16 @@ import psutil
 from tqdm import tqdm
 
 from deploy import processes
-from deploy.cli import config_flags
+from deploy.flags import config_flags
 from loadtest.replay import ReplayConfig, replay
-from loadtest.report import ROW_KEYS, Row, replay_row
+from loadtest.report import ROW_KEYS, Row, percentile, replay_row
 from loadtest.workloads import ChatConfig, Workload, load_workload
+from replica.api import stats as stats_codec
+from replica.api.config import ReplicaConfig
+from replica.api.identity import DEFAULT_MODEL
+from replica.api.stats import ReplicaStats
 from router.policies import POLICIES
+from router.stats import GatewayStats
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -65,7 +70,7 @@ class BenchConfig:
     #: Overrides of the chat workload's parameters (on top of :data:`BENCH_CHAT`).
     chat: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
-    model: str = "sim-llama3-8b"
+    model: str = DEFAULT_MODEL
     #: Traces: play only the first ``trace_limit`` requests (0: all).
     trace_limit: int = 0
     #: Locust users: enough that every session starts on time (open loop).
@@ -125,51 +130,63 @@ def cluster_gateway(address: str) -> str:
 
 @dataclass
 class Fleet:
-    """What the bench knows of its target. ``ours`` is a prefix-router gateway (it can
-    switch policy and name its replicas); ``replicas`` maps URL to ``/stats`` config."""
+    """What the bench knows of its target: the gateway's stats if it is ours (it can
+    switch policy and name its replicas), and each replica's configuration by URL
+    (``None`` for a server that is not one of ours)."""
 
     gateway: str
-    ours: bool
-    replicas: dict[str, dict[str, Any]]
-    stride: int = 4
+    stats: GatewayStats | None
+    replicas: dict[str, ReplicaConfig | None]
+
+    @property
+    def ours(self) -> bool:
+        return self.stats is not None
 
     def replay_config(self) -> ReplayConfig | None:
-        """The simulated twin of the fleet, if every replica is one of ours."""
+        """The simulated twin of the fleet, if every replica is one of ours: the same
+        engines, routed with the very knobs the gateway routes with."""
         configs = list(self.replicas.values())
-        if not configs or not all(configs):
+        first = configs[0] if configs else None
+        if first is None or not all(configs):
             return None
-        first = configs[0]
+        routing = self.stats.config.routing if self.stats else ReplayConfig().routing
         return ReplayConfig(
             replicas=len(configs),
-            capacity_blocks=first["num_blocks"],
-            block_size=first["block_size"],
-            profile=first["profile"],
-            max_num_seqs=first["max_num_seqs"],
-            max_num_batched_tokens=first["max_num_batched_tokens"],
-            model=first["model"],
-            stride=self.stride,
-            compute_scale=first["speedup"],  # simulated time runs this much faster
+            capacity_blocks=first.num_blocks,
+            profile=first.profile,
+            max_num_seqs=first.max_num_seqs,
+            max_num_batched_tokens=first.max_num_batched_tokens,
+            model=first.model,
+            routing=replace(routing, block_size=first.block_size),
+            compute_scale=first.speedup,  # simulated time runs this much faster
         )
 
 
 def discover(client: httpx.Client, gateway: str) -> Fleet:
-    try:
-        stats = client.get(f"{gateway}/stats").json()
-        urls = [b["url"] for b in stats["backends"]]
-        stride = stats["config"]["stride"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        # Not our gateway: one server (ours, vLLM, SGLang) or someone else's router.
-        return Fleet(gateway, ours=False, replicas={gateway: _replica_config(client, gateway)})
-    return Fleet(gateway, True, {url: _replica_config(client, url) for url in urls}, stride)
+    stats = gateway_stats(client, gateway)
+    if stats is None:  # not our gateway: one server (ours, vLLM, SGLang) or another router
+        return Fleet(gateway, None, {gateway: _replica_config(client, gateway)})
+    urls = [b.url for b in stats.backends]
+    return Fleet(gateway, stats, {url: _replica_config(client, url) for url in urls})
 
 
-def _replica_config(client: httpx.Client, url: str) -> dict[str, Any]:
-    """A replica's configuration from its ``/stats``; ``{}`` if it is not one of ours."""
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-        config = client.get(f"{url}/stats").json()["config"]
-        if "num_blocks" in config:
-            return dict(config)
-    return {}
+def gateway_stats(client: httpx.Client, url: str) -> GatewayStats | None:
+    """A prefix-router gateway's ``/stats``; ``None`` if ``url`` is not one."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return stats_codec.decode(GatewayStats, client.get(f"{url}/stats").content)
+    return None
+
+
+def replica_stats(client: httpx.Client, url: str) -> ReplicaStats | None:
+    """One of our replicas' ``/stats``; ``None`` if ``url`` is not one."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return stats_codec.decode(ReplicaStats, client.get(f"{url}/stats").content)
+    return None
+
+
+def _replica_config(client: httpx.Client, url: str) -> ReplicaConfig | None:
+    stats = replica_stats(client, url)
+    return stats.config if stats else None
 
 
 # ------------------------------------------------------------------- one run
@@ -272,11 +289,8 @@ def run_locust(
 
 
 def _dispatched(client: httpx.Client, fleet: Fleet) -> int:
-    if not fleet.ours:
-        return 0
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-        return sum(b["dispatched"] for b in client.get(f"{fleet.gateway}/stats").json()["backends"])
-    return 0
+    stats = gateway_stats(client, fleet.gateway) if fleet.ours else None
+    return sum(b.dispatched for b in stats.backends) if stats else 0
 
 
 def _locust_counts(path: Path) -> tuple[int, int]:
@@ -289,15 +303,18 @@ def _locust_counts(path: Path) -> tuple[int, int]:
 # ------------------------------------------------------------------- figures
 
 
-def snapshot(client: httpx.Client, fleet: Fleet) -> dict[str, Any]:
-    """The gateway's and the replicas' statistics now (``{}`` for what is not ours)."""
-    snap: dict[str, Any] = {"gateway": {}, "replicas": {}}
-    if fleet.ours:
-        snap["gateway"] = client.get(f"{fleet.gateway}/stats").json()
-    for url, config in fleet.replicas.items():
-        if config:  # one of ours: it publishes its statistics
-            snap["replicas"][url] = client.get(f"{url}/stats").json()
-    return snap
+@dataclass(frozen=True)
+class Snapshot:
+    """The gateway's and the replicas' statistics at one moment (``None``: not ours)."""
+
+    gateway: GatewayStats | None
+    replicas: list[ReplicaStats]
+
+
+def snapshot(client: httpx.Client, fleet: Fleet) -> Snapshot:
+    gateway = gateway_stats(client, fleet.gateway) if fleet.ours else None
+    replicas = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
+    return Snapshot(gateway, [r for r in replicas if r is not None])
 
 
 def live_row(
@@ -305,30 +322,29 @@ def live_row(
     config: BenchConfig,
     fleet: Fleet,
     run: LocustRun,
-    before: dict[str, Any],
-    after: dict[str, Any],
+    before: Snapshot,
+    after: Snapshot,
 ) -> Row:
-    replicas = list(after["replicas"].values())
-    caches = [r["cache"] for r in replicas]
-    per_replica = [int(r["requests"]) for r in replicas] or _gateway_requests(before, after)
+    per_replica = [r.requests for r in after.replicas] or _gateway_requests(before, after)
     client = run.client
     ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
+    first = next((c for c in fleet.replicas.values() if c), None)
     row: Row = dict.fromkeys(ROW_KEYS)
     row.update(
         label=policy,
         policy=policy if fleet.ours else None,  # else a label for how the target routes
         workload=config.workload,
-        replicas=len(fleet.replicas) if fleet.ours else (len(replicas) or None),
-        capacity_blocks=_first(fleet.replicas, "num_blocks"),
+        replicas=len(fleet.replicas) if fleet.ours else (len(after.replicas) or None),
+        capacity_blocks=first.num_blocks if first else None,
         requests=run.requests,
         failures=run.failures,
-        ttft_p50_s=_percentile(ttft, 50),
-        ttft_p90_s=_percentile(ttft, 90),
-        ttft_p99_s=_percentile(ttft, 99),
-        e2e_p50_s=_percentile(e2e, 50),
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p90_s=percentile(ttft, 90),
+        ttft_p99_s=percentile(ttft, 99),
+        e2e_p50_s=percentile(e2e, 50),
         throughput_rps=run.requests / run.elapsed_s,
         imbalance=max(per_replica) / np.mean(per_replica) if sum(per_replica) else None,
-        prediction_accuracy=_prediction_accuracy(before, after, policy),
+        prediction_accuracy=live_prediction_accuracy(before, after, policy),
         requests_per_replica=per_replica,
         client_token_hit_rate=client.get("client_token_hit_rate"),
         client_prompt_tokens=client.get("prompt_tokens"),
@@ -338,58 +354,46 @@ def live_row(
         cpu_busy=run.cpu_busy,
         cpu_busy_peak=run.cpu_busy_peak,
     )
-    if caches:
-        prompt, cached = _total(caches, "query_tokens"), _total(caches, "hit_tokens")
-        blocks = _total(caches, "query_blocks")
-        row.update(
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            token_hit_rate=cached / prompt if prompt else None,
-            block_hit_rate=_total(caches, "hit_blocks") / blocks if blocks else None,
-            evictions=_total(caches, "evictions"),
-        )
-    else:  # not our replicas: the usage blocks are all there is
-        row.update(
-            prompt_tokens=client.get("prompt_tokens"),
-            cached_tokens=client.get("cached_tokens"),
-            token_hit_rate=client.get("client_token_hit_rate"),
-        )
+    row.update(_hit_figures(after.replicas) if after.replicas else _client_hit_figures(client))
     return row
 
 
-def _total(caches: list[dict[str, Any]], key: str) -> int:
-    return sum(int(c[key]) for c in caches)
+def _hit_figures(replicas: list[ReplicaStats]) -> Row:
+    """Hits as the engines counted them (their statistics were reset before the run)."""
+    caches = [r.cache for r in replicas]
+    prompt, cached = sum(c.query_tokens for c in caches), sum(c.hit_tokens for c in caches)
+    blocks = sum(c.query_blocks for c in caches)
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "token_hit_rate": cached / prompt if prompt else None,
+        "block_hit_rate": sum(c.hit_blocks for c in caches) / blocks if blocks else None,
+        "evictions": sum(c.evictions for c in caches),
+    }
 
 
-def _first(replicas: Mapping[str, dict[str, Any]], key: str) -> Any:
-    return next((c.get(key) for c in replicas.values() if c), None)
+def _client_hit_figures(client: dict[str, Any]) -> Row:
+    """Not our replicas: the usage blocks the clients read are all there is."""
+    return {
+        "prompt_tokens": client.get("prompt_tokens"),
+        "cached_tokens": client.get("cached_tokens"),
+        "token_hit_rate": client.get("client_token_hit_rate"),
+    }
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if len(values) else None
-
-
-def _by_policy(snap: dict[str, Any], policy: str, key: str) -> list[int]:
-    backends = snap["gateway"].get("backends", [])
-    return [int(b.get("by_policy", {}).get(policy, {}).get(key, 0)) for b in backends]
-
-
-def _gateway_requests(before: dict[str, Any], after: dict[str, Any]) -> list[int]:
-    now = [int(b["dispatched"]) for b in after["gateway"].get("backends", [])]
-    then = [int(b["dispatched"]) for b in before["gateway"].get("backends", [])]
+def _gateway_requests(before: Snapshot, after: Snapshot) -> list[int]:
+    now = [b.dispatched for b in after.gateway.backends] if after.gateway else []
+    then = [b.dispatched for b in before.gateway.backends] if before.gateway else []
     return [a - b for a, b in zip(now, then, strict=False)] if len(now) == len(then) else now
 
 
-def _prediction_accuracy(
-    before: dict[str, Any], after: dict[str, Any], policy: str
-) -> float | None:
+def live_prediction_accuracy(before: Snapshot, after: Snapshot, policy: str) -> float | None:
     """Share of this run's predictions within one router stride of the engine's figure."""
-    made = sum(_by_policy(after, policy, "predictions")) - sum(
-        _by_policy(before, policy, "predictions")
-    )
-    close = sum(_by_policy(after, policy, "close_predictions")) - sum(
-        _by_policy(before, policy, "close_predictions")
-    )
+    if before.gateway is None or after.gateway is None:
+        return None
+    then, now = before.gateway.by_policy(policy), after.gateway.by_policy(policy)
+    made = sum(c.predictions for c in now) - sum(c.predictions for c in then)
+    close = sum(c.close_predictions for c in now) - sum(c.close_predictions for c in then)
     return close / made if made > 0 else None
 
 

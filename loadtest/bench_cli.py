@@ -6,16 +6,17 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from deploy.cli import add_config_flags, config_flags, config_overrides
+from deploy.flags import add_config_flags, config_flags, config_overrides
 from loadtest import bench, plots
 from loadtest.bench import BenchConfig
-from loadtest.replay_cli import TRACE_CAPACITY_BLOCKS
+from loadtest.replay import TRACE_CAPACITY_BLOCKS
 from loadtest.report import Row, command_line, format_table, version, write_json
 from loadtest.workloads import ChatConfig
-from replica.server import ReplicaConfig
+from replica.api.config import ReplicaConfig
 
 TABLE_KEYS = (
     "label", "requests", "failures", "token_hit_rate", "client_token_hit_rate",
@@ -108,7 +109,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "target": description,
         "workload": config.workload,
         "chat": config.chat_config() if config.workload == "chat" else None,
-        "replica_config": next(iter(fleet.replicas.values()), None),
+        "replica_config": next((asdict(c) for c in fleet.replicas.values() if c), None),
         "cpu_busy": max((r["cpu_busy"] for r in rows), default=None),
         "cpu_count": _cpu_count(),
     }

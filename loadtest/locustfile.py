@@ -24,8 +24,9 @@ import gevent
 from locust import HttpUser, constant, events, task
 from locust.env import Environment
 
-from deploy.cli import add_config_flags, config_overrides
+from deploy.flags import add_config_flags, config_overrides
 from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
+from replica.api.identity import DEFAULT_MODEL
 
 
 @events.init_command_line_parser.add_listener
@@ -53,7 +54,7 @@ def add_options(parser: Any) -> None:
         help="open loop: new sessions per second, whatever the answers' pace (0: closed loop; "
         "traces keep their timestamps); run enough users to cover the concurrency",
     )
-    group.add_argument("--model", default="sim-llama3-8b", env_var="PR_MODEL")
+    group.add_argument("--model", default=DEFAULT_MODEL, env_var="PR_MODEL")
     group.add_argument(
         "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
     )

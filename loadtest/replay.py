@@ -17,13 +17,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from loadtest.workloads import Workload
-from replica.cost_model import DEFAULT_PROFILE
-from replica.engine import Engine, EngineConfig, StepResult
-from replica.hashing import block_hashes, identity_seed
-from replica.scheduler import SchedulerConfig
-from replica.sequence import EngineRequest
+from replica.api.config import ReplicaConfig
+from replica.api.identity import block_hashes, identity_seed
+from replica.engine import Engine, EngineConfig, EngineRequest, SchedulerConfig, StepResult
+from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
-from router.prefix_index import IndexConfig
+
+#: A replica of the trace: Llama-3-8B on an 80 GB H100 keeps about 420k tokens of KV
+#: (80 GB x 0.9 - 16 GB of weights, at 128 KiB per token), 26k blocks of 16.
+TRACE_CAPACITY_BLOCKS = 26_000
 
 
 @dataclass(frozen=True)
@@ -31,27 +33,29 @@ class ReplayConfig:
     """One simulated fleet. Every replica gets ``capacity_blocks`` KV blocks."""
 
     replicas: int = 4
-    capacity_blocks: int = 4096
-    block_size: int = 16
-    profile: str = DEFAULT_PROFILE
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    model: str = "sim-llama3-8b"
+    #: KV blocks per replica; the rest of a replica's shape defaults as a live one's.
+    capacity_blocks: int = ReplicaConfig.num_blocks
+    profile: str = ReplicaConfig.profile
+    max_num_seqs: int = ReplicaConfig.max_num_seqs
+    max_num_batched_tokens: int = ReplicaConfig.max_num_batched_tokens
+    model: str = ReplicaConfig.model
     seed: int = 0
-    #: Every ``stride``-th block boundary is hashed by the router.
-    stride: int = 4
+    #: The router's knobs, the fleet's block size and the stride: the very object a
+    #: live gateway routes with (``GatewayConfig.routing``).
+    routing: PolicyConfig = field(default_factory=PolicyConfig)
     #: Decode iterations an engine may run per event (exact: see ``Engine.step``).
     max_burst_steps: int = 64
     #: Each engine computes this many times faster than its profile's GPU.
     compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.capacity_blocks < 1 or self.stride < 1:
-            raise ValueError("replicas, capacity_blocks and stride must be positive")
+        if self.replicas < 1 or self.capacity_blocks < 1:
+            raise ValueError("replicas and capacity_blocks must be positive")
 
-    def policy_config(self) -> PolicyConfig:
-        index = IndexConfig(stride=self.stride)
-        return PolicyConfig(block_size=self.block_size, index=index)
+    @property
+    def block_size(self) -> int:
+        """The engines' block size, which the router hashes by: one figure for both."""
+        return self.routing.block_size
 
     def engine_config(self) -> EngineConfig:
         scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
@@ -124,7 +128,6 @@ class Simulation:
         config: ReplayConfig,
         policy: str = "round_robin",
         on_request_done: Callable[[], object] | None = None,
-        policy_config: PolicyConfig | None = None,
     ) -> None:
         self.workload = workload
         self.config = config
@@ -134,17 +137,14 @@ class Simulation:
             ReplicaState(f"replica-{i}", config.capacity_blocks) for i in range(config.replicas)
         ]
         self.policy = make_policy(
-            policy,
-            lambda: self.now,
-            np.random.default_rng(config.seed),
-            policy_config or config.policy_config(),
+            policy, lambda: self.now, np.random.default_rng(config.seed), config.routing
         )
         for replica in self.replicas:
             self.policy.on_replica_added(replica)
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
         self._seed = identity_seed(config.model)
-        self._stride_tokens = config.block_size * config.stride
+        self._stride_tokens = config.routing.stride_tokens
         self._in_flight: dict[str, tuple[int, int, RoutingRequest]] = {}
         self._stepping = [False] * config.replicas
         self._arrivals: list[tuple[float, int, int, int]] = []  # time, order, session, turn
@@ -215,10 +215,7 @@ class Simulation:
             return
         self._in_flight[request_id] = (session_index, turn_index, routing)
         self._note_follow_up(request_id, session_index, turn_index)
-        replica.outstanding_requests += 1
-        replica.outstanding_prefill_tokens += routing.predicted_uncached_tokens
-        replica.dispatched += 1
-        self.policy.on_dispatch(routing, replica)
+        load.dispatched(self.policy, routing, replica)
         if not self._stepping[index]:
             self.engines[index].advance_to(self.now)
             self._step(index)
@@ -240,14 +237,13 @@ class Simulation:
             session_index, turn_index, routing = self._in_flight[output.request_id]
             if record.first_token_s is None:
                 record.first_token_s = self.now
-                replica.outstanding_prefill_tokens -= routing.predicted_uncached_tokens
+                load.prefilled(routing, replica)
             if output.finished:
                 del self._in_flight[output.request_id]
                 record.finish_s = self.now
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
-                replica.outstanding_requests -= 1
-                self.policy.on_complete(routing, replica)
+                load.completed(self.policy, routing, replica)
                 self._finish(session_index, turn_index)
         self._forward_kv_events(index)
         self._step(index)
@@ -327,9 +323,8 @@ def replay(
     config: ReplayConfig,
     policy: str = "round_robin",
     on_request_done: Callable[[], object] | None = None,
-    policy_config: PolicyConfig | None = None,
 ) -> ReplayResult:
-    return Simulation(workload, config, policy, on_request_done, policy_config).run()
+    return Simulation(workload, config, policy, on_request_done).run()
 
 
 @dataclass(frozen=True)

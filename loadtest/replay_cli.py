@@ -17,9 +17,15 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from deploy.cli import add_config_flags, config_overrides
+from deploy.flags import add_config_flags, config_overrides, with_overrides
 from loadtest import plots
-from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
+from loadtest.replay import (
+    TRACE_CAPACITY_BLOCKS,
+    ReplayConfig,
+    ReplayResult,
+    infinite_cache_bound,
+    replay,
+)
 from loadtest.report import (
     Row,
     command_line,
@@ -31,14 +37,11 @@ from loadtest.report import (
     write_json,
 )
 from loadtest.workloads import ChatConfig, Workload, load_workload
-from router.policies import POLICIES, PolicyConfig
+from router.policies import POLICIES
 
 DEFAULT_POLICIES = "round_robin,power_of_two,sglang_cache_aware,cache_aware"
 #: Capacities of ``--sweep-capacity`` without values: from far too small to ample.
 DEFAULT_CAPACITY_SWEEP = "128,256,512,1024,2048,4096,8192,16384"
-#: A replica of the trace: Llama-3-8B on an 80 GB H100 keeps about 420k tokens of KV
-#: (80 GB x 0.9 - 16 GB of weights, at 128 KiB per token), 26k blocks of 16.
-TRACE_CAPACITY_BLOCKS = 26_000
 #: The chat workload's default load is per replica, so every fleet size runs at the
 #: utilisation the seed chapter's single engine sees.
 CHAT_SESSIONS_PER_REPLICA = ChatConfig().num_sessions
@@ -83,9 +86,8 @@ def add_replay_parser(commands: Any) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md sec. 7)")
     parser.add_argument("--out", metavar="DIR", help="write report.md, report.json and PNG charts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_config_flags(parser, ReplayConfig)
+    add_config_flags(parser, ReplayConfig)  # the routing knobs too: --stride, --recompute-weight
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
-    add_config_flags(parser, PolicyConfig, prefix="policy-", skip=("block_size",))
     parser.set_defaults(run=run_replay)
 
 
@@ -109,7 +111,7 @@ def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
     overrides = config_overrides(args, ReplayConfig)
     if args.workload.startswith("trace:"):
         overrides.setdefault("capacity_blocks", TRACE_CAPACITY_BLOCKS)
-    base = ReplayConfig(**overrides)
+    base = with_overrides(ReplayConfig(), overrides)
     key, values = _sweep(args)
     if key is None:
         return None, [base]
@@ -140,11 +142,6 @@ def _workload_overrides(args: argparse.Namespace, replicas: int) -> dict[str, An
     overrides.setdefault("session_rate", CHAT_RATE_PER_REPLICA * replicas)
     overrides["seed"] = args.seed if args.seed is not None else ReplayConfig().seed
     return overrides
-
-
-def _policy_config(args: argparse.Namespace, config: ReplayConfig) -> PolicyConfig:
-    overrides = config_overrides(args, PolicyConfig, prefix="policy_")
-    return dataclasses.replace(config.policy_config(), **overrides)
 
 
 # ------------------------------------------------------------------- running
@@ -192,9 +189,7 @@ def _run(
         file=sys.stderr,
         leave=False,
     ) as bar:
-        return replay(
-            workload, config, policy, bar.update, policy_config=_policy_config(args, config)
-        )
+        return replay(workload, config, policy, bar.update)
 
 
 def _reference_rows(

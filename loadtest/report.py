@@ -27,7 +27,8 @@ ROW_KEYS = (
 )  # fmt: skip
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values``; ``None`` for no values (never a made-up 0)."""
     return float(np.percentile(values, q)) if len(values) else None
 
 
@@ -55,14 +56,14 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "token_hit_rate": hit_tokens / query_tokens if query_tokens else None,
         "block_hit_rate": sum(s.hit_blocks for s in stats) / query_blocks if query_blocks else None,
         "evictions": sum(s.evictions for s in stats),
-        "ttft_p50_s": _percentile(ttfts, 50),
-        "ttft_p90_s": _percentile(ttfts, 90),
-        "ttft_p99_s": _percentile(ttfts, 99),
-        "e2e_p50_s": _percentile(e2e, 50),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "e2e_p50_s": percentile(e2e, 50),
         "throughput_rps": len(done) / result.duration_s if result.duration_s else None,
         "imbalance": float(dispatched.max() / dispatched.mean()) if dispatched.sum() else None,
-        "prediction_accuracy": _prediction_accuracy(
-            done, result.config.block_size * result.config.stride
+        "prediction_accuracy": replay_prediction_accuracy(
+            done, result.config.routing.stride_tokens
         ),
         "prefill_tokens_computed": sum(int(e.prefill_tokens_computed) for e in result.engines),
         "prefill_tokens_saved": hit_tokens,
@@ -82,7 +83,7 @@ def ttft_values(result: ReplayResult) -> list[float]:
     ]
 
 
-def _prediction_accuracy(done: Sequence[RequestRecord], tolerance: int) -> float | None:
+def replay_prediction_accuracy(done: Sequence[RequestRecord], tolerance: int) -> float | None:
     """Share of requests whose predicted cached tokens came within one stride of the
     engine's figure (the router sees prefixes in strides); ``None`` if nothing predicted."""
     predicted = [r for r in done if r.predicted_cached_tokens is not None]

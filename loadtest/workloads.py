@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message
+from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message
 
 ArrivalMode = Literal["poisson", "closed", "trace"]
 ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")

@@ -15,9 +15,8 @@ from typing import Any
 import ray
 import uvicorn
 
-from replica.server import ReplicaConfig, create_app
-
-REPLICA_PREFIX = "replica-"
+from replica.api.config import ReplicaConfig
+from replica.server import create_app
 
 
 def free_port(host: str) -> int:

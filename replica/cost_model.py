@@ -155,7 +155,6 @@ LLAMA3_70B_4XH100 = CostProfile(
 PROFILES: dict[str, CostProfile] = {
     p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100, LLAMA3_70B_4XH100)
 }
-DEFAULT_PROFILE = LLAMA3_8B_H100.name
 
 CostFn = Callable[[BatchShape], float]
 

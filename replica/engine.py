@@ -14,12 +14,23 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from replica.cost_model import DEFAULT_PROFILE, BatchShape, CostProfile, get_profile
-from replica.hashing import BlockHasher, identity_seed
+from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
+from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
+from replica.api.tokenizer import ByteTokenizer
+from replica.cost_model import BatchShape, CostProfile, get_profile
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import EngineRequest, FinishReason, Sequence
-from replica.tokenizer import ByteTokenizer
+
+#: The engine's face to its drivers (the replica server and the offline replayer).
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "RequestOutput",
+    "SchedulerConfig",
+    "StepResult",
+]
 
 HasherFactory = Callable[[int, int], BlockHasher]  # (block_size, seed) -> hasher
 
@@ -28,9 +39,9 @@ HasherFactory = Callable[[int, int], BlockHasher]  # (block_size, seed) -> hashe
 class EngineConfig:
     """An engine replica's shape. ``num_blocks`` x ``block_size`` tokens of KV cache."""
 
-    model: str = "sim-llama3-8b"
+    model: str = DEFAULT_MODEL
     num_blocks: int = 8192
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     profile: str = DEFAULT_PROFILE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Chance that the toy model ends a reply at each token, unless the request
@@ -49,6 +60,19 @@ class EngineConfig:
         if self.compute_scale <= 0:
             raise ValueError("compute_scale must be positive")
         get_profile(self.profile)
+
+    @classmethod
+    def for_replica(cls, replica: ReplicaConfig) -> EngineConfig:
+        """The engine of a replica; raises ``ValueError`` naming what is wrong with it."""
+        scheduler = SchedulerConfig(replica.max_num_batched_tokens, replica.max_num_seqs)
+        return cls(
+            replica.model,
+            replica.num_blocks,
+            replica.block_size,
+            replica.profile,
+            scheduler,
+            seed=replica.seed,
+        )
 
     @property
     def capacity_tokens(self) -> int:

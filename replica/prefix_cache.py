@@ -26,9 +26,9 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from replica.tokenizer import TOKEN_DTYPE
+from replica.api.kv_events import EventKind, KVEvent
+from replica.api.tokenizer import TOKEN_DTYPE
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -55,25 +55,6 @@ class Block:
     @property
     def is_evictable(self) -> bool:
         return self.block_hash is not None and self.ref_count == 0 and self.num_children == 0
-
-
-EventKind = Literal["stored", "removed", "cleared"]
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    """A change to the set of cached identities, as vLLM's KV events publish them.
-
-    ``block_depths`` (ours; empty from engines that do not send it) gives each
-    block's position in its prompt, so a router that indexes only every k-th block
-    boundary can ignore the others.
-    """
-
-    seq: int
-    kind: EventKind
-    block_hashes: tuple[int, ...] = ()
-    parent_hash: int | None = None
-    block_depths: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from replica.hashing import BlockHasher
+from replica.api.identity import BlockHasher
+from replica.api.tokenizer import TOKEN_DTYPE
 from replica.prefix_cache import Block
-from replica.tokenizer import TOKEN_DTYPE
 
 
 class Status(enum.Enum):

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from replica.prefix_cache import KVEvent
+from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from router.policies import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -31,14 +30,6 @@ class Backend:
     state: ReplicaState
     last_event_seq: int = 0
     events_supported: bool = True
-    #: Per policy name: requests routed here, cached tokens predicted and reported,
-    #: requests with a prediction and those predicted within one router stride.
-    decisions: Counter[str] = field(default_factory=Counter)
-    predicted: Counter[str] = field(default_factory=Counter)
-    actual: Counter[str] = field(default_factory=Counter)
-    predictions: Counter[str] = field(default_factory=Counter)
-    close_predictions: Counter[str] = field(default_factory=Counter)
-    upstream_errors: int = 0
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
@@ -168,35 +159,26 @@ class BackendPool:
     async def _follow_events(self, backend: Backend) -> bool:
         """Hand the backend's new KV events to the policy; False if it did not answer."""
         try:
-            body = await self._events_after(backend)
-            if body is None:  # no KV events here (vLLM, SGLang): probe /health instead
-                backend.events_supported = False
-                return True
-            events = [
-                KVEvent(
-                    e["seq"],
-                    e["kind"],
-                    tuple(e["block_hashes"]),
-                    e.get("parent_hash"),
-                    tuple(e.get("block_depths", ())),
-                )
-                for e in body["events"]
-            ]
-            if body.get("lost"):  # fell behind the replica's log: start over empty
-                events.insert(0, KVEvent(0, "cleared"))
-            if events:
-                self._on_events(backend.state, events)
-            backend.last_event_seq = body["last_seq"]
-            return True
+            page = await self._events_after(backend)
         except (aiohttp.ClientError, TimeoutError) as error:
             log.debug("kv events from %s: %r", backend.url, error)
             return False
-        except (ValueError, KeyError) as error:  # answered, but not what we expect
+        except ValueError as error:  # answered, but not a page of events
             log.debug("kv events from %s: %r", backend.url, error)
             return True
+        if page is None:  # no KV events here (vLLM, SGLang): probe /health instead
+            backend.events_supported = False
+            return True
+        events = list(page.events)
+        if page.lost:  # fell behind the replica's log: start over empty
+            events.insert(0, KVEvent(0, "cleared"))
+        if events:
+            self._on_events(backend.state, events)
+        backend.last_event_seq = page.last_seq
+        return True
 
-    async def _events_after(self, backend: Backend) -> dict[str, Any] | None:
-        """The backend's ``/kv_events`` answer, or ``None`` if it has no such endpoint."""
+    async def _events_after(self, backend: Backend) -> KVEventPage | None:
+        """The backend's ``/kv_events`` page, or ``None`` if it has no such endpoint."""
         async with self.client.get(
             f"{backend.url}/kv_events",
             params={"since": backend.last_event_seq},
@@ -205,8 +187,7 @@ class BackendPool:
             if response.status == 404:
                 return None
             response.raise_for_status()
-            body: dict[str, Any] = await response.json()
-            return body
+            return decode_page(await response.read())
 
 
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:

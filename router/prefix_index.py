@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from replica.prefix_cache import KVEvent
+from replica.api.kv_events import KVEvent
 
 IndexMode = Literal["approximate", "precise"]
 _NOBODY: dict[int, int] = {}
@@ -36,7 +36,8 @@ COARSE = 8
 
 @dataclass(frozen=True)
 class IndexConfig:
-    mode: IndexMode = "precise"
+    #: Set by the policy (``cache_aware`` or ``cache_aware_approx``), so it takes no flag.
+    mode: IndexMode = field(default="precise", metadata={"flag": False})
     #: The router hashes every ``stride``-th block boundary (4 x 16 = 64 tokens).
     stride: int = 4
     #: Approximate mode forgets a prefix not routed for this long.

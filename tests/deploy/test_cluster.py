@@ -14,10 +14,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from deploy import cluster
-from deploy.local import NAMESPACE
+from deploy.names import NAMESPACE
 from deploy.processes import free_port
-from replica.server import ReplicaConfig
-from router.gateway import GatewayConfig
+from replica.api.config import ReplicaConfig
+from router.config import GatewayConfig
 from tests.loadtest.test_bench import TINY, check_report
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

@@ -10,7 +10,7 @@ from loadtest.workloads import (
     trace_block_tokens,
     trace_prompt,
 )
-from replica.tokenizer import ByteTokenizer
+from replica.api.tokenizer import ByteTokenizer
 from tests.shared import MOONCAKE_TRACE
 
 TRACE = MOONCAKE_TRACE

@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from replica.api.tokenizer import TOKEN_DTYPE
 from replica.cost_model import PROFILES, BatchShape, get_profile
 from replica.engine import Engine, EngineConfig
 from replica.scheduler import SchedulerConfig
 from replica.sequence import EngineRequest
-from replica.tokenizer import TOKEN_DTYPE
+from tests.shared import prompt
 
 MakeEngine = Callable[..., Engine]
 
@@ -35,10 +36,6 @@ def make_engine() -> Iterator[MakeEngine]:
         engine.cache.check_invariants()
         if not engine.has_unfinished:
             assert engine.cache.usage == 0.0, "a finished engine still pins blocks"
-
-
-def prompt(length: int, start: int = 1) -> np.ndarray:
-    return np.arange(start, start + length, dtype=TOKEN_DTYPE)
 
 
 def run(engine: Engine, requests: list[EngineRequest]) -> dict[str, dict]:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.hashing import block_hashes
+from replica.api.identity import block_hashes
+from replica.api.tokenizer import TOKEN_DTYPE
 from replica.prefix_cache import Block, NoFreeBlocksError, PrefixCache
-from replica.tokenizer import TOKEN_DTYPE
 
 BLOCK = 4
 

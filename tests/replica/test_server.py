@@ -6,6 +6,9 @@ import httpx
 import pytest
 
 from deploy.processes import running
+from replica.api.config import ReplicaConfig
+from replica.api.kv_events import KVEventPage, decode_page
+from tests.shared import replica_stats
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +66,9 @@ def test_models_health_stats_and_metrics(replica):
     models = httpx.get(replica + "/v1/models").json()
     assert models["data"][0]["id"] == "sim-llama3-8b"
     post(replica, "/v1/completions", {"prompt": SYSTEM, "max_tokens": 1})
-    stats = httpx.get(replica + "/stats").json()
-    assert stats["requests"] >= 1 and stats["cache"]["query_tokens"] > 0
+    stats = replica_stats(replica)  # the typed contract decodes the live answer
+    assert stats.requests >= 1 and stats.cache.query_tokens > 0
+    assert stats.config == ReplicaConfig(speedup=20, num_blocks=2048)
     metrics = httpx.get(replica + "/metrics").text
     for name in (
         "vllm:prefix_cache_queries_total",
@@ -78,19 +82,23 @@ def test_models_health_stats_and_metrics(replica):
     queries = next(
         line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_queries_total")
     )
-    assert float(queries.split()[-1]) == stats["cache"]["query_tokens"]
+    assert float(queries.split()[-1]) == stats.cache.query_tokens
+
+
+def kv_events(replica: str, since: int) -> KVEventPage:
+    return decode_page(httpx.get(replica + "/kv_events", params={"since": since}).content)
 
 
 def test_kv_events_follow_a_sequence_number_and_reset_clears(replica):
-    start = httpx.get(replica + "/kv_events", params={"since": 0}).json()
+    start = kv_events(replica, 0)
     post(replica, "/v1/completions", {"prompt": "fresh words " * 40, "max_tokens": 1})
-    after = httpx.get(replica + "/kv_events", params={"since": start["last_seq"]}).json()
-    assert after["events"] and all(e["seq"] > start["last_seq"] for e in after["events"])
-    assert after["events"][0]["kind"] == "stored" and not after["lost"]
+    after = kv_events(replica, start.last_seq)
+    assert after.events and all(e.seq > start.last_seq for e in after.events)
+    assert after.events[0].kind == "stored" and not after.lost and after.block_size == 16
     assert httpx.post(replica + "/reset").status_code == 200
-    cleared = httpx.get(replica + "/kv_events", params={"since": after["last_seq"]}).json()
-    assert [e["kind"] for e in cleared["events"]] == ["cleared"]
-    assert httpx.get(replica + "/stats").json()["cache"]["query_tokens"] == 0
+    cleared = kv_events(replica, after.last_seq)
+    assert [e.kind for e in cleared.events] == ["cleared"]
+    assert replica_stats(replica).cache.query_tokens == 0
 
 
 def test_reset_is_refused_while_requests_are_in_flight(replica):
@@ -106,10 +114,10 @@ def test_a_client_that_disconnects_aborts_its_request(replica):
     with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=30) as response:
         next(response.iter_lines())
     for _ in range(50):
-        if httpx.get(replica + "/stats").json()["running"] == 0:
+        if replica_stats(replica).running == 0:
             break
         httpx.get(replica + "/health")
-    assert httpx.get(replica + "/stats").json()["running"] == 0
+    assert replica_stats(replica).running == 0
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from deploy.processes import running
+from tests.shared import gateway_stats
 
 pytestmark = pytest.mark.slow
 
@@ -88,11 +89,10 @@ def test_predictions_match_what_replicas_report_and_load_returns_to_zero(fleet, 
     url, _ = fleet
     for i in range(3):
         chat(client, f"prediction {i}", system="Predicted prefix. " * 80)
-    stats = httpx.get(url + "/stats").json()
-    for backend in stats["backends"]:
-        assert backend["outstanding_requests"] == 0 and backend["outstanding_prefill_tokens"] == 0
-        assert abs(backend["predicted_cached_tokens"] - backend["actual_cached_tokens"]) <= 64 * 20
-        assert backend["kv_events"] is True
+    for backend in gateway_stats(url).backends:
+        assert backend.outstanding_requests == 0 and backend.outstanding_prefill_tokens == 0
+        assert abs(backend.predicted_cached_tokens - backend.actual_cached_tokens) <= 64 * 20
+        assert backend.kv_events is True
     metrics = httpx.get(url + "/metrics").text
     assert "prefix_router_routing_decisions_total" in metrics
     assert "prefix_router_gateway_overhead_seconds_bucket" in metrics

@@ -5,8 +5,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from replica.hashing import block_hashes, identity_seed
-from replica.tokenizer import TOKEN_DTYPE
+from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from router import load
 from router.policies import (
     POLICIES,
     PolicyConfig,
@@ -14,25 +14,14 @@ from router.policies import (
     RoutingRequest,
     make_policy,
 )
+from tests.shared import FakeClock, prompt
 
-SEED = identity_seed("sim-llama3-8b")
+SEED = identity_seed(DEFAULT_MODEL)
 STRIDE_TOKENS = 64
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def request(tokens: np.ndarray, request_id: str = "r") -> RoutingRequest:
     return RoutingRequest(request_id, len(tokens), block_hashes(tokens, STRIDE_TOKENS, SEED))
-
-
-def prompt(length: int, start: int = 0) -> np.ndarray:
-    return np.arange(start, start + length, dtype=TOKEN_DTYPE)
 
 
 def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:
@@ -40,24 +29,19 @@ def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:
 
 
 def policy(name: str, seed: int = 0, **config):
-    made = make_policy(name, Clock(), np.random.default_rng(seed), PolicyConfig(**config))
+    made = make_policy(name, FakeClock(), np.random.default_rng(seed), PolicyConfig(**config))
     return made
 
 
 def dispatch(pol, req: RoutingRequest, replicas: list[ReplicaState]) -> ReplicaState:
     """What the router does: choose, count the load, tell the policy."""
     chosen = pol.choose(req, replicas)
-    chosen.outstanding_requests += 1
-    chosen.outstanding_prefill_tokens += req.predicted_uncached_tokens
-    chosen.dispatched += 1
-    pol.on_dispatch(req, chosen)
+    load.dispatched(pol, req, chosen)
     return chosen
 
 
 def complete(pol, req: RoutingRequest, replica: ReplicaState) -> None:
-    replica.outstanding_requests -= 1
-    replica.outstanding_prefill_tokens -= req.predicted_uncached_tokens
-    pol.on_complete(req, replica)
+    load.completed(pol, req, replica)
 
 
 def test_every_policy_is_registered_by_name():
@@ -86,8 +70,8 @@ def test_random_is_reproducible_for_a_seed_and_uses_every_replica():
 
 def test_least_loaded_and_power_of_two_avoid_the_busy_replica():
     replicas = fleet(4)
-    for replica, load in zip(replicas, (5, 0, 3, 9), strict=True):
-        replica.outstanding_requests = load
+    for replica, held in zip(replicas, (5, 0, 3, 9), strict=True):
+        replica.outstanding_requests = held
     assert policy("least_loaded").choose(request(prompt(5)), replicas).replica_id == "replica-1"
     pol = policy("power_of_two", 3)
     picks = Counter(pol.choose(request(prompt(5)), replicas).replica_id for _ in range(300))

@@ -3,34 +3,25 @@
 import numpy as np
 import pytest
 
+from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
-from replica.hashing import block_hashes, identity_seed
 from replica.sequence import EngineRequest
-from replica.tokenizer import TOKEN_DTYPE
 from router.prefix_index import IndexConfig, PrefixIndex
+from tests.shared import FakeClock, prompt
 
 BLOCK, STRIDE = 16, 4
-SEED = identity_seed("sim-llama3-8b")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+SEED = identity_seed(DEFAULT_MODEL)
 
 
 def stride_hashes(tokens: np.ndarray) -> list[int]:
     return block_hashes(tokens, BLOCK * STRIDE, SEED)
 
 
-def prompt(length: int, start: int = 0) -> np.ndarray:
-    return np.arange(start, start + length, dtype=TOKEN_DTYPE)
-
-
-def make_index(mode: str = "approximate", clock: Clock | None = None, **config) -> PrefixIndex:
-    index = PrefixIndex(IndexConfig(mode=mode, stride=STRIDE, **config), BLOCK, clock or Clock())
+def make_index(mode: str = "approximate", clock: FakeClock | None = None, **config) -> PrefixIndex:
+    index = PrefixIndex(
+        IndexConfig(mode=mode, stride=STRIDE, **config), BLOCK, clock or FakeClock()
+    )
     for name in ("a", "b", "c"):
         index.add_replica(name, capacity_blocks=64)
     return index
@@ -55,8 +46,7 @@ def test_approximate_entries_are_an_lru_sized_to_the_replica_capacity():
     assert index.match(stride_hashes(prompt(256, 0))).get("a", 0) == 0  # oldest forgotten
 
 
-def test_approximate_entries_expire_after_the_ttl():
-    clock = Clock()
+def test_approximate_entries_expire_after_the_ttl(clock):
     index = make_index(clock=clock, ttl_s=10.0)
     index.record_routing("a", stride_hashes(prompt(256)))
     clock.now = 9.0
@@ -66,8 +56,7 @@ def test_approximate_entries_expire_after_the_ttl():
     assert index.num_entries() == 0
 
 
-def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries():
-    clock = Clock()
+def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries(clock):
     index = make_index("precise", clock, recent_s=2.0)
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
     engine.add_request(EngineRequest("r", prompt(700), 1))
@@ -91,8 +80,7 @@ def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries():
     assert held == cached * BLOCK // (BLOCK * STRIDE) * BLOCK * STRIDE < 640
 
 
-def test_precise_mode_counts_recent_routing_until_events_arrive():
-    clock = Clock()
+def test_precise_mode_counts_recent_routing_until_events_arrive(clock):
     index = make_index("precise", clock, recent_s=2.0)
     index.record_routing("c", stride_hashes(prompt(256)))
     assert index.match(stride_hashes(prompt(256))).get("c", 0) == 256
@@ -142,7 +130,7 @@ def test_invalid_configs_are_refused():
 
 def test_the_coarse_to_fine_match_equals_a_plain_scan_on_random_fleets():
     rng = np.random.default_rng(7)
-    clock = Clock()
+    clock = FakeClock()
     for trial in range(40):
         index = make_index("approximate" if trial % 2 else "precise", clock)
         prompts = [

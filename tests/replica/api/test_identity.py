@@ -1,8 +1,8 @@
 import numpy as np
 import xxhash
 
-from replica.hashing import BlockHasher, block_hashes, identity_seed
-from replica.tokenizer import TOKEN_DTYPE
+from replica.api.identity import BlockHasher, block_hashes, identity_seed
+from replica.api.tokenizer import TOKEN_DTYPE
 
 tokens = np.arange(200, dtype=TOKEN_DTYPE)
 seed = identity_seed("model")

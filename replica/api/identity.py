@@ -11,16 +11,17 @@ name and the tenant's cache salt, so two tenants never share an identity.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
 import xxhash
 
-from replica.tokenizer import TOKEN_DTYPE
+from replica.api.tokenizer import TOKEN_DTYPE
 
-#: Computes the identities of the full blocks of ``tokens`` (see :class:`BlockHasher`).
-HashFn = Callable[[np.ndarray], list[int]]
+#: The model our simulated replicas serve; its name seeds every block identity.
+DEFAULT_MODEL = "sim-llama3-8b"
+#: Tokens per KV block, as vLLM's default; only full blocks have an identity.
+DEFAULT_BLOCK_SIZE = 16
 
 
 @lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from replica.tokenizer import TOKEN_DTYPE, ByteTokenizer
+from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 #: Token ids are 32-bit (see replica.tokenizer).
 MAX_TOKEN_ID = 2**32 - 1

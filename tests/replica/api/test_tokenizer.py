@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from replica.tokenizer import ByteTokenizer, get_tokenizer, render_chat
+from replica.api.tokenizer import ByteTokenizer, get_tokenizer, render_chat
 
 tokenizer = ByteTokenizer()
 

@@ -1,0 +1,116 @@
+"""Command-line flags from config dataclasses: one flag per field, defaults from the class.
+
+A field that holds a config of its own (``GatewayConfig.routing``, a ``PolicyConfig``)
+contributes its fields' flags under the same prefix, so ``prefix-router gateway
+--stride 8 --recompute-weight 2`` reaches the nested fields; two fields with one
+flag name are refused by argparse when the parser is built. A field whose metadata
+says ``{"flag": False}`` gets no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+SCALARS = (int, float, str, bool)
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    skip: Sequence[str] = (),
+    env_prefix: str | None = None,
+) -> None:
+    """One ``--prefix-name`` flag per scalar field of dataclass ``cls`` (nested included).
+
+    Flags default to ``None`` (their help shows the dataclass default), so
+    :func:`config_overrides` returns exactly what the user gave. With ``env_prefix``
+    (for Locust's configargparse parser) each flag also reads ``ENV_PREFIX_NAME``.
+    """
+    group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
+    for field, default in _scalar_fields(cls, skip):
+        flag = f"--{prefix}{field.name.replace('_', '-')}"
+        dest = _dest(prefix, field.name)
+        extra: dict[str, Any] = {}
+        if env_prefix is not None:
+            extra["env_var"] = f"{env_prefix}{field.name}".upper()
+        if isinstance(default, bool):
+            action: Any = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=dest, action=action, default=None, **extra)
+        else:
+            kind = type(default)
+            metavar, text = kind.__name__.upper(), f"default: {default}"
+            group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=text, **extra)
+
+
+def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of ``cls`` that the user set; a nested config's come as a dict of their own."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        nested = _nested_type(field)
+        if nested is not None:
+            inner = config_overrides(args, nested, prefix)
+            if inner:
+                values[field.name] = inner
+            continue
+        value = getattr(args, _dest(prefix, field.name), None)
+        if value is not None:
+            values[field.name] = value
+    return values
+
+
+def with_overrides(config: T, overrides: Mapping[str, Any]) -> T:
+    """``config`` with ``overrides`` applied (a dict for a nested config applies to it)."""
+    changes = {
+        name: with_overrides(getattr(config, name), value) if isinstance(value, Mapping) else value
+        for name, value in overrides.items()
+    }
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "", **fixed: Any) -> T:
+    """``cls`` from its defaults, then ``fixed``, then what the user set; checked by the class."""
+    return with_overrides(cls(**fixed), config_overrides(args, cls, prefix))
+
+
+def config_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The command-line flags that :func:`add_config_flags` reads back as ``values``."""
+    flags = []
+    for name, value in values.items():
+        if isinstance(value, Mapping):
+            flags += config_flags(value, prefix)
+            continue
+        flag = f"--{prefix}{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses.Field, Any]]:
+    """Each field that takes a flag, with its default, nested configs' fields in place."""
+    for field in dataclasses.fields(cls):
+        if field.name in skip or not field.metadata.get("flag", True):
+            continue
+        nested = _nested_type(field)
+        if nested is not None:
+            yield from _scalar_fields(nested, skip)
+        elif isinstance(field.default, SCALARS):
+            yield field, field.default
+
+
+def _nested_type(field: dataclasses.Field) -> type | None:
+    """The config class a field holds, if it holds one (built by its default factory)."""
+    if field.default_factory is dataclasses.MISSING:
+        return None
+    default = field.default_factory()
+    return type(default) if dataclasses.is_dataclass(default) else None
+
+
+def _dest(prefix: str, name: str) -> str:
+    return f"{prefix}{name}".replace("-", "_")

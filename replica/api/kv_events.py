@@ -1,0 +1,63 @@
+"""KV events: the changes to a replica's set of cached blocks, and their one codec.
+
+A replica's prefix cache logs every block it stores and removes, and every time it
+is cleared, as vLLM's KV events publish them (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``). A router that applies them in order knows exactly which
+identities each replica holds. Over HTTP a replica serves them in pages
+(``GET /kv_events?since=SEQ``), encoded and decoded only by the functions below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import TypeAdapter
+
+EventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A change to the set of cached identities, numbered from 1 in the order it happened.
+
+    ``stored`` blocks hang off ``parent_hash`` (``None`` for a prompt's first block)
+    in the order given; ``removed`` blocks are gone; ``cleared`` forgets everything.
+    ``block_depths`` (ours; empty from engines that do not send it) gives each
+    block's position in its prompt, so a router that indexes only every k-th block
+    boundary can ignore the others.
+    """
+
+    seq: int
+    kind: EventKind
+    block_hashes: tuple[int, ...] = ()
+    parent_hash: int | None = None
+    block_depths: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVEventPage:
+    """One answer of ``GET /kv_events?since=SEQ``: the events numbered above ``SEQ``.
+
+    ``last_seq`` is where the next page starts; ``lost`` says that events after
+    ``SEQ`` were dropped from the replica's bounded log, so the reader must forget
+    what it knew of the replica and start again from these.
+    """
+
+    events: tuple[KVEvent, ...]
+    last_seq: int
+    lost: bool = False
+    block_size: int | None = None
+
+
+_PAGE = TypeAdapter(KVEventPage)
+
+
+def encode_page(page: KVEventPage) -> bytes:
+    """The page as JSON (the shape ``decode_page`` reads back)."""
+    return _PAGE.dump_json(page)
+
+
+def decode_page(data: bytes | str) -> KVEventPage:
+    """A page from JSON; raises ``ValueError`` naming the field if it is not one."""
+    return _PAGE.validate_json(data)

@@ -1,0 +1,71 @@
+"""A replica's ``GET /stats``, typed: what the bench, ``prefix-router status`` and
+the tests read of a replica, by attribute rather than by string key.
+
+``encode`` and ``decode`` are the one codec: a replica answers with ``encode``, a
+reader gets a typed value back with ``decode``, which names any field that is
+missing or of the wrong type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter
+
+from replica.api.config import ReplicaConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """The prefix cache since the last reset: queries and hits in prompt tokens and in
+    full prompt blocks, blocks stored and evicted, and how full it is now."""
+
+    query_tokens: int
+    hit_tokens: int
+    query_blocks: int
+    hit_blocks: int
+    stored_blocks: int
+    evictions: int
+    num_blocks: int
+    cached_blocks: int
+    #: Fraction of blocks pinned by requests (cached idle blocks count as available).
+    usage: float
+    #: Hits over queries; ``None`` before the first query.
+    token_hit_rate: float | None
+    block_hit_rate: float | None
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica now: its configuration, what it served, its queues and its cache."""
+
+    model: str
+    pid: int
+    config: ReplicaConfig
+    #: Requests accepted and refused (400) since the last reset.
+    requests: int
+    errors: int
+    running: int
+    waiting: int
+    cache: CacheFigures
+    preemptions: int
+    steps: int
+    #: Simulated GPU seconds spent in steps.
+    busy_s: float
+
+
+def encode(value: Any) -> dict[str, Any]:
+    """A stats dataclass as JSON-ready data."""
+    return dataclasses.asdict(value)
+
+
+def decode(cls: type[T], data: bytes | str | dict[str, Any]) -> T:
+    """``cls`` from JSON text or parsed JSON; raises ``ValueError`` naming a bad field."""
+    adapter = TypeAdapter(cls)
+    if isinstance(data, dict):
+        return adapter.validate_python(data)
+    return adapter.validate_json(data)

@@ -1,0 +1,107 @@
+"""One replica in real time: its engine loop, what it served, and its figures.
+
+The server's handlers only translate HTTP into calls of :class:`Replica`; everything
+a replica knows and does lives here, readable and testable without a web framework.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from replica.answers import Answer
+from replica.api import openai as api
+from replica.api.config import ReplicaConfig
+from replica.api.kv_events import KVEventPage
+from replica.api.stats import CacheFigures, ReplicaStats
+from replica.engine import Engine, EngineConfig, EngineRequest
+from replica.engine_loop import EngineLoop
+from replica.metrics import ReplicaMetrics
+
+
+class Replica:
+    """An engine, the loop that steps it in real time, and the replica's counters."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.engine = Engine(EngineConfig.for_replica(config))
+        self.loop = EngineLoop(self.engine, config.speedup)
+        self.metrics = ReplicaMetrics(self.engine, config.model)
+        self.requests = 0  # accepted since the last reset
+        self.errors = 0  # refused since the last reset
+
+    def answer(
+        self, request: EngineRequest, stream: bool, include_usage: bool, chat: bool
+    ) -> Response:
+        """Queue ``request`` and answer as it runs; 400 if it can never fit."""
+        try:
+            outputs = self.loop.submit(request)
+        except ValueError as error:
+            self.errors += 1
+            return JSONResponse(api.error_body(str(error), 400), status_code=400)
+        self.requests += 1
+        started = time.monotonic()
+
+        def first_token() -> None:
+            self.metrics.ttft.observe(time.monotonic() - started)
+
+        answer = Answer(request.request_id, self.config.model, chat, self._decode, first_token)
+        if stream:
+            return StreamingResponse(
+                answer.stream(outputs, include_usage), media_type="text/event-stream"
+            )
+        return StreamingResponse(answer.whole(outputs), media_type="application/json")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
+    def reset(self) -> bool:
+        """Empty the cache and the statistics; refused (``False``) while requests run."""
+        if not self.engine.reset_cache():
+            return False
+        self.requests = self.errors = 0
+        return True
+
+    def kv_events(self, since: int) -> KVEventPage:
+        cache = self.engine.cache
+        events, lost = cache.events_since(since)
+        return KVEventPage(tuple(events), cache.last_event_seq, lost, self.config.block_size)
+
+    @property
+    def load(self) -> int:
+        """Requests running or waiting (SGLang's router asks for it)."""
+        return self.engine.num_running + self.engine.num_waiting
+
+    def stats(self) -> ReplicaStats:
+        engine = self.engine
+        return ReplicaStats(
+            model=self.config.model,
+            pid=os.getpid(),
+            config=self.config,
+            requests=self.requests,
+            errors=self.errors,
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            cache=self._cache_figures(),
+            preemptions=engine.scheduler.num_preemptions,
+            steps=engine.num_steps,
+            busy_s=engine.busy_s,
+        )
+
+    def _cache_figures(self) -> CacheFigures:
+        cache, stats = self.engine.cache, self.engine.cache_stats
+        return CacheFigures(
+            query_tokens=stats.query_tokens,
+            hit_tokens=stats.hit_tokens,
+            query_blocks=stats.query_blocks,
+            hit_blocks=stats.hit_blocks,
+            stored_blocks=stats.stored_blocks,
+            evictions=stats.evictions,
+            num_blocks=cache.num_blocks,
+            cached_blocks=cache.num_cached_blocks,
+            usage=cache.usage,
+            token_hit_rate=stats.token_hit_rate if stats.query_tokens else None,
+            block_hit_rate=stats.block_hit_rate if stats.query_blocks else None,
+        )

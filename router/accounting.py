@@ -1,0 +1,110 @@
+"""What the gateway counts: load per replica, and requests per policy, backend and tenant.
+
+One object owns every counter the gateway keeps, updates them on the three events
+of a request's life (dispatched, first token, ended) and builds ``/stats`` from
+them; the Prometheus metrics read the same counters at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
+
+from router import load
+from router.admission import AdmissionQueue
+from router.backends import Backend, BackendPool
+from router.config import GatewayConfig
+from router.policies import Policy, ReplicaState, RoutingRequest
+from router.stats import BackendStats, GatewayStats, PolicyCounts, TenantStats
+
+
+@dataclass
+class TenantCounts:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def stats(self) -> TenantStats:
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        return TenantStats(self.requests, self.errors, self.prompt_tokens, self.cached_tokens, rate)
+
+
+class Accounting:
+    """The gateway's counters. ``tolerance_tokens``: a prediction within this many
+    cached tokens of the replica's figure counts as close (one router stride)."""
+
+    def __init__(self, tolerance_tokens: int) -> None:
+        self.tolerance_tokens = tolerance_tokens
+        #: replica id -> policy name -> counts.
+        self.by_backend: defaultdict[str, defaultdict[str, PolicyCounts]] = defaultdict(
+            lambda: defaultdict(PolicyCounts)
+        )
+        self.upstream_errors: Counter[str] = Counter()
+        self.tenants: defaultdict[str, TenantCounts] = defaultdict(TenantCounts)
+        self.retries = 0
+
+    def dispatched(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
+        load.dispatched(policy, request, replica)
+        self.by_backend[replica.replica_id][policy.name].requests += 1
+
+    def first_token(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        load.prefilled(request, replica)
+
+    def ended(
+        self,
+        request: RoutingRequest,
+        replica: ReplicaState,
+        policy: Policy,
+        cached: int | None,
+        failed: bool,
+    ) -> None:
+        """The request ended (``cached``: the tokens the replica reported, if it did)."""
+        load.completed(policy, request, replica)
+        if failed:
+            self.upstream_errors[replica.replica_id] += 1
+        if request.tenant is not None:
+            self._count_tenant(request.tenant, request.num_prompt_tokens, cached, failed)
+        if cached is not None and request.predicted_cached_tokens is not None:
+            counts = self.by_backend[replica.replica_id][policy.name]
+            counts.predictions += 1
+            counts.predicted_cached_tokens += request.predicted_cached_tokens
+            counts.actual_cached_tokens += cached
+            if abs(request.predicted_cached_tokens - cached) < self.tolerance_tokens:
+                counts.close_predictions += 1
+
+    def _count_tenant(self, tenant: str, prompt: int, cached: int | None, failed: bool) -> None:
+        counts = self.tenants[tenant]
+        counts.requests += 1
+        counts.errors += failed
+        if cached is not None:
+            counts.prompt_tokens += prompt
+            counts.cached_tokens += cached
+
+    def stats(
+        self, policy: str, config: GatewayConfig, pool: BackendPool, admission: AdmissionQueue
+    ) -> GatewayStats:
+        return GatewayStats(
+            policy=policy,
+            retries=self.retries,
+            refused=admission.refused,
+            queued=len(admission),
+            config=config,
+            backends=[self._backend_stats(backend) for backend in pool.backends],
+            tenants={name: counts.stats() for name, counts in self.tenants.items()},
+        )
+
+    def _backend_stats(self, backend: Backend) -> BackendStats:
+        state = backend.state
+        by_policy: dict[str, PolicyCounts] = self.by_backend.get(state.replica_id, {})
+        return BackendStats(
+            url=backend.url,
+            replica_id=state.replica_id,
+            dispatched=state.dispatched,
+            outstanding_requests=state.outstanding_requests,
+            outstanding_prefill_tokens=state.outstanding_prefill_tokens,
+            by_policy={name: replace(counts) for name, counts in by_policy.items()},
+            upstream_errors=self.upstream_errors[state.replica_id],
+            kv_events=backend.events_supported,
+            healthy=backend.healthy,
+        )

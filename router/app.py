@@ -1,0 +1,288 @@
+"""The gateway's HTTP face: the OpenAI API in front of a fleet, and its admin endpoints.
+
+Each completion request is read (413 beyond the limits), validated (400 naming the
+field), authenticated (its tenant's salt seeds its block identities), tokenized with
+the replicas' tokenizer and chat template, and handed to the request path
+(``router/upstream.py``). Handlers find the gateway in ``request.app.state``; the app's
+lifespan owns the pooled HTTP client, the backends' watchers and Ray discovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.routing import Route
+
+from replica.api import openai as api
+from replica.api import stats as stats_codec
+from router.backends import follow_ray_replicas
+from router.config import GatewayConfig
+from router.gateway import Gateway
+from router.policies import POLICIES, RoutingRequest
+from router.tenants import ApiKeys, Unauthorized, tenant_salt
+from router.upstream import Upstream
+
+#: What the completion endpoints answer besides 200, for the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"description": text}
+    for code, text in (
+        (400, "invalid request: the message names the field"),
+        (401, "missing or invalid API key (when keys are configured)"),
+        (404, "unknown model"),
+        (413, "request body or prompt over the limit"),
+        (429, "all replicas busy and the queue full: retry after Retry-After seconds"),
+        (502, "no replica could serve the request"),
+        (503, "no backends"),
+    )
+}
+
+routes = APIRouter()
+
+
+def create_app(
+    config: GatewayConfig | None = None,
+    backends: list[str] | tuple[str, ...] = (),
+    ray_replica_prefix: str | None = None,
+) -> FastAPI:
+    """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)
+    and, given ``ray_replica_prefix``, to the replica actors of the current Ray
+    namespace whose names start with it (Ray must be initialised)."""
+    config = config or GatewayConfig()
+    keys = ApiKeys.load(config.api_keys_file or None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _client(config) as client:
+            gateway = app.state.gateway = Gateway(config, client)
+            app.state.upstream = Upstream(gateway, client)
+            for url in backends:
+                gateway.pool.add(url)
+            follower = None
+            if ray_replica_prefix is not None:
+                task = follow_ray_replicas(gateway.pool, ray_replica_prefix)
+                follower = asyncio.get_running_loop().create_task(task)
+            yield
+            if follower is not None:
+                follower.cancel()
+            await gateway.pool.close()
+
+    app = FastAPI(title="prefix-router gateway", lifespan=lifespan)
+    app.state.config, app.state.keys = config, keys
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(Unauthorized, _unauthorized)  # type: ignore[arg-type]
+    app.add_exception_handler(api.Rejected, _rejected)  # type: ignore[arg-type]
+    # The hot paths are plain Starlette routes: they skip FastAPI's dependency
+    # resolution (about 0.1 ms a request here). Their FastAPI twins in ``routes``,
+    # never reached, describe the bodies in the OpenAPI schema (for clients, fuzzers).
+    app.router.routes[0:0] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    app.include_router(routes)
+    return app
+
+
+def _client(config: GatewayConfig) -> aiohttp.ClientSession:
+    """One pooled session for all upstream traffic, with the configured timeouts."""
+    timeout = aiohttp.ClientTimeout(
+        total=config.upstream_timeout_s,
+        connect=config.upstream_connect_timeout_s,
+        sock_read=config.upstream_read_timeout_s,
+    )
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), timeout=timeout)
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+# ----------------------------------------------------------------- errors
+
+
+async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+    return api.bad_request(error)
+
+
+async def _unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
+    body = api.error_body(str(error), error.status)
+    headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
+    return error.response()
+
+
+# ----------------------------------------------------------------- reading a request
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    return bytes(body)
+
+
+async def _parse(
+    request: Request, model: type[api.CompletionRequest] | type[api.ChatCompletionRequest]
+) -> tuple[bytes, Any]:
+    """The raw body (forwarded as it came) and its validated form."""
+    config: GatewayConfig = request.app.state.config
+    raw = await read_capped(request, config.max_request_bytes)
+    try:
+        parsed = model.model_validate_json(raw)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from None
+    if parsed.model is not None and parsed.model != config.model:
+        raise api.Rejected(f"the model {parsed.model!r} does not exist", 404, "model")
+    return raw, parsed
+
+
+def _check_length(request: Request, prompt: np.ndarray, field: str) -> None:
+    limit = request.app.state.config.max_prompt_tokens
+    if len(prompt) > limit:
+        raise api.Rejected(
+            f"the prompt is {len(prompt)} tokens, over the limit of {limit}", 413, field
+        )
+
+
+def _tenant_routing(
+    request: Request, parsed: Any, prompt: np.ndarray
+) -> tuple[RoutingRequest, dict[str, Any]]:
+    """Authenticate, and seed the request's identities with its tenant's salt, in the
+    gateway and (through the ``cache_salt`` field forwarded) in the replica."""
+    keys: ApiKeys = request.app.state.keys
+    tenant = keys.tenant(request.headers.get("authorization"))
+    name = tenant.name if tenant else None
+    salt = tenant_salt(name, parsed.cache_salt)
+    fields = {"cache_salt": salt} if salt != parsed.cache_salt else {}
+    return _gateway(request).routing_request(prompt, salt, name), fields
+
+
+async def _forward(
+    request: Request, path: str, raw: bytes, parsed: Any, prompt: np.ndarray, received: float
+) -> Response:
+    routing, fields = _tenant_routing(request, parsed, prompt)
+    upstream: Upstream = request.app.state.upstream
+    return await upstream.forward(
+        path, raw, routing, parsed.stream, parsed.include_usage, received, fields
+    )
+
+
+# ----------------------------------------------------------------- the OpenAI API
+
+
+async def completions(request: Request) -> Response:
+    received = time.perf_counter()
+    raw, parsed = await _parse(request, api.CompletionRequest)
+    prompt = parsed.token_ids(_gateway(request).tokenizer)
+    if prompt is None:
+        return api.bad_token_ids()
+    _check_length(request, prompt, "prompt")
+    return await _forward(request, "/v1/completions", raw, parsed, prompt, received)
+
+
+async def chat_completions(request: Request) -> Response:
+    received = time.perf_counter()
+    raw, parsed = await _parse(request, api.ChatCompletionRequest)
+    messages = [m.model_dump() for m in parsed.messages]
+    prompt = _gateway(request).tokenizer.apply_chat_template(messages)
+    _check_length(request, prompt, "messages")
+    return await _forward(request, "/v1/chat/completions", raw, parsed, prompt, received)
+
+
+@routes.post("/v1/completions", responses=ERROR_RESPONSES)
+async def completions_schema(body: api.CompletionRequest, request: Request) -> Response:
+    return await completions(request)
+
+
+@routes.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat_schema(body: api.ChatCompletionRequest, request: Request) -> Response:
+    return await chat_completions(request)
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    card = {"id": _gateway(request).config.model, "object": "model", "created": 0,
+            "owned_by": "prefix-router"}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+# ----------------------------------------------------------------- operating it
+
+
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    if _gateway(request).pool.backends:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "no backends"}, status_code=503)
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = _gateway(request).metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+@routes.get("/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    return stats_codec.encode(_gateway(request).stats())
+
+
+class PolicyChange(BaseModel):
+    policy: str
+
+
+class BackendChange(BaseModel):
+    url: str
+    replica_id: str | None = None
+    capacity_blocks: int | None = None
+
+
+def _admin_only(request: Request) -> None:
+    request.app.state.keys.admin(request.headers.get("authorization"))
+
+
+@routes.post("/admin/policy")
+async def set_policy(change: PolicyChange, request: Request) -> Response:
+    _admin_only(request)
+    if change.policy not in POLICIES:
+        message = f"unknown policy {change.policy!r}; known: {', '.join(POLICIES)}"
+        return JSONResponse(api.error_body(message, 400, "policy"), status_code=400)
+    _gateway(request).switch_policy(change.policy)
+    return JSONResponse({"policy": change.policy})
+
+
+@routes.post("/admin/backends")
+async def add_backend(change: BackendChange, request: Request) -> Response:
+    _admin_only(request)
+    try:
+        backend = _gateway(request).pool.add(change.url, change.replica_id, change.capacity_blocks)
+    except ValueError as error:
+        return JSONResponse(api.error_body(str(error), 400, "url"), status_code=400)
+    return JSONResponse({"replica_id": backend.state.replica_id, "url": backend.url})
+
+
+@routes.delete("/admin/backends")
+async def remove_backend(url: str, request: Request) -> Response:
+    _admin_only(request)
+    if not await _gateway(request).pool.remove(url):
+        return JSONResponse(api.error_body(f"no backend {url!r}", 404, "url"), status_code=404)
+    return JSONResponse({"removed": url})

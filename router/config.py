@@ -1,0 +1,45 @@
+"""The gateway's configuration: which policy routes, with which knobs, under which limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica.api.identity import DEFAULT_MODEL
+from router.policies import POLICIES, PolicyConfig
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    policy: str = "cache_aware"
+    #: The model name the replicas serve (it seeds block identities).
+    model: str = DEFAULT_MODEL
+    #: The policies' knobs, the fleet's block size and the router's stride: the very
+    #: object the offline replayer routes with (``ReplayConfig.routing``).
+    routing: PolicyConfig = field(default_factory=PolicyConfig)
+    #: KV blocks assumed per backend when it does not say (sizes the approximate index).
+    capacity_blocks: int = 4096
+    kv_events_interval_s: float = 0.05
+    #: Upstream calls: connecting, the longest silence within an answer (a queued
+    #: prefill, a slow stream) and the whole answer, in seconds.
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 120.0
+    upstream_timeout_s: float = 600.0
+    seed: int = 0
+    #: API keys, one ``KEY TENANT [admin]`` per line (see router/tenants.py); with
+    #: ``$PREFIX_ROUTER_API_KEYS``. None configured: no authentication.
+    api_keys_file: str = ""
+    #: Requests in flight per replica; beyond it requests wait in the gateway's queue.
+    max_outstanding_per_replica: int = 128
+    #: Requests that may wait for a free replica, and for how long; beyond: 429.
+    max_queued: int = 512
+    queue_timeout_s: float = 30.0
+    #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.
+    max_request_bytes: int = 16 * 2**20
+    max_prompt_tokens: int = 131_072
+    #: Tries on other replicas when one fails before the client got a byte.
+    max_retries: int = 2
+    retry_backoff_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")

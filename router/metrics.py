@@ -1,0 +1,98 @@
+"""The gateway's Prometheus figures: one histogram observed per request, the rest read
+from the accounting, the backends and the queue at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.accounting import Accounting, TenantCounts
+from router.admission import AdmissionQueue
+from router.backends import BackendPool
+from router.stats import PolicyCounts
+
+#: ``prefix_router_*`` families per (replica, policy), each read from ``PolicyCounts``.
+BY_POLICY: tuple[tuple[str, str, Callable[[PolicyCounts], int]], ...] = (
+    ("routing_decisions", "Requests routed.", lambda c: c.requests),
+    ("predicted_cached_tokens", "Cached tokens the router predicted.",
+     lambda c: c.predicted_cached_tokens),
+    ("actual_cached_tokens", "Cached tokens the replicas reported.",
+     lambda c: c.actual_cached_tokens),
+)  # fmt: skip
+#: ``prefix_router_tenant_*`` families, each read from ``TenantCounts``.
+BY_TENANT: tuple[tuple[str, str, Callable[[TenantCounts], int]], ...] = (
+    ("requests", "Requests per tenant.", lambda c: c.requests),
+    ("errors", "Failed requests per tenant.", lambda c: c.errors),
+    ("prompt_tokens", "Prompt tokens per tenant.", lambda c: c.prompt_tokens),
+    ("cached_tokens", "Prompt tokens found in the cache, per tenant.", lambda c: c.cached_tokens),
+)
+
+
+class GatewayMetrics:
+    """The registry ``GET /metrics`` renders."""
+
+    def __init__(
+        self, accounting: Accounting, pool: BackendPool, admission: AdmissionQueue
+    ) -> None:
+        self._accounting, self._pool, self._admission = accounting, pool, admission
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
+        self.overhead = Histogram(
+            "prefix_router_gateway_overhead_seconds",
+            "Time from receiving a request to sending it upstream.",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._by_policy()
+        yield from self._by_replica()
+        yield from self._by_tenant()
+        admission = self._admission
+        yield GaugeMetricFamily(
+            "prefix_router_queued_requests", "Requests waiting for a free replica.", len(admission)
+        )
+        yield CounterMetricFamily(
+            "prefix_router_refused_requests", "Requests refused with 429.", admission.refused
+        )
+
+    def _by_policy(self) -> Iterable[Metric]:
+        by_backend = self._accounting.by_backend
+        names = [b.state.replica_id for b in self._pool.backends]
+        for metric, text, read in BY_POLICY:
+            family = CounterMetricFamily(
+                f"prefix_router_{metric}", text, labels=["replica", "policy"]
+            )
+            for name in names:
+                for policy, counts in by_backend.get(name, {}).items():
+                    family.add_metric([name, policy], read(counts))
+            yield family
+
+    def _by_replica(self) -> Iterable[Metric]:
+        errors = self._accounting.upstream_errors
+        outstanding = GaugeMetricFamily(
+            "prefix_router_outstanding_requests", "Requests in flight.", labels=["replica"]
+        )
+        failed = CounterMetricFamily(
+            "prefix_router_upstream_errors", "Failed upstream calls.", labels=["replica"]
+        )
+        for backend in self._pool.backends:
+            name = backend.state.replica_id
+            outstanding.add_metric([name], backend.state.outstanding_requests)
+            failed.add_metric([name], errors[name])
+        yield outstanding
+        yield failed
+
+    def _by_tenant(self) -> Iterable[Metric]:
+        tenants = self._accounting.tenants
+        for key, text, read in BY_TENANT:
+            family = CounterMetricFamily(f"prefix_router_tenant_{key}", text, labels=["tenant"])
+            for tenant, counts in tenants.items():
+                family.add_metric([tenant], read(counts))
+            yield family

@@ -1,0 +1,64 @@
+"""Routing policies, chosen by name from a registry; one small module per family.
+
+- ``base``: the replicas' state, the request as routed, the knobs, the ``Policy`` base;
+- ``baselines``: round robin, random, least loaded, power of two, consistent hashing;
+- ``indexed``: the base of cache-aware policies (a prefix index);
+- ``cache_aware``: ours, precise and approximate;
+- ``sglang``: SGLang router's ``cache_aware``, for comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from router.policies.base import Clock, Policy, PolicyConfig, ReplicaState, RoutingRequest
+from router.policies.baselines import (
+    ConsistentHash,
+    LeastLoaded,
+    PowerOfTwo,
+    Random,
+    RoundRobin,
+    rendezvous,
+    rendezvous_key,
+)
+from router.policies.cache_aware import CacheAware, CacheAwareApproximate
+from router.policies.sglang import SGLangCacheAware
+
+__all__ = [
+    "POLICIES",
+    "Clock",
+    "Policy",
+    "PolicyConfig",
+    "ReplicaState",
+    "RoutingRequest",
+    "make_policy",
+    "rendezvous",
+    "rendezvous_key",
+]
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        Random,
+        LeastLoaded,
+        PowerOfTwo,
+        ConsistentHash,
+        SGLangCacheAware,
+        CacheAware,
+        CacheAwareApproximate,
+    )
+}
+
+
+def make_policy(
+    name: str,
+    clock: Clock,
+    rng: np.random.Generator,
+    config: PolicyConfig | None = None,
+) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return cls(config or PolicyConfig(), clock, rng)

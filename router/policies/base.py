@@ -1,0 +1,151 @@
+"""What every policy shares: the replicas' state, the request as routed, the knobs.
+
+A policy is a small class: ``choose(request, replicas)`` returns one of the
+replicas; ``on_dispatch`` and ``on_complete`` keep its state. The router counts each
+replica's load (see ``router/load.py``); cache-aware policies also set the request's
+predicted cached tokens, so prediction accuracy can be measured. The clock and the
+random generator are passed in, never global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from replica.api.identity import DEFAULT_BLOCK_SIZE
+from replica.api.kv_events import KVEvent
+from router.prefix_index import IndexConfig
+
+Clock = Callable[[], float]
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """What the router knows of one replica.
+
+    ``outstanding_prefill_tokens`` counts the tokens its dispatched requests still have
+    to prefill (their predicted uncached part), until their first token arrives.
+    """
+
+    replica_id: str
+    capacity_blocks: int = 0
+    outstanding_requests: int = 0
+    outstanding_prefill_tokens: int = 0
+    dispatched: int = 0
+
+
+@dataclass(eq=False)
+class RoutingRequest:
+    """A request as the router sees it: its length and its leading block identities.
+
+    ``stride_hashes`` are the identities at every ``stride``-th block boundary.
+    ``predicted_cached_tokens`` is set by a cache-aware policy's ``choose``.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    stride_hashes: Sequence[int] = field(default=(), repr=False)
+    predicted_cached_tokens: int | None = None
+    #: Who sent it (``None`` without API keys); its identities are seeded per tenant.
+    tenant: str | None = None
+    #: Dispatched and its prefill not yet done: its uncached tokens load the replica.
+    prefilling: bool = field(default=False, repr=False)
+
+    @property
+    def predicted_uncached_tokens(self) -> int:
+        return self.num_prompt_tokens - (self.predicted_cached_tokens or 0)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of every policy; each reads the ones it needs."""
+
+    #: Tokens per KV block of the fleet's engines (the router must hash as they do).
+    block_size: int = DEFAULT_BLOCK_SIZE
+    index: IndexConfig = field(default_factory=IndexConfig)
+    #: cache_aware: prefill tokens one running request weighs, to put queued prefill
+    #: and running sequences in one unit (its decode steps slow the replica's batch).
+    running_request_tokens: float = 256.0
+    #: cache_aware: what an uncached prompt token costs, relative to a queued one. A
+    #: queued token delays only this request; a token computed again is GPU work that
+    #: every request queued after it waits for. A token of a popular prefix (shared by
+    #: many recent requests, like a system prompt) weighs ``recompute_weight``: copying
+    #: it to another replica is paid once and serves every later request there. A token
+    #: of the conversation's own history weighs ``private_recompute_weight``: moving it
+    #: is paid again on every move, and leaves a stale copy behind.
+    recompute_weight: float = 4.0
+    private_recompute_weight: float = 16.0
+    #: cache_aware: a prefix is popular once this many recent requests passed through
+    #: it (more than the turns of most conversations).
+    popular_requests: int = 16
+    #: cache_aware: a cold prefix may go to any replica within this much work of the
+    #: least loaded; among them the rendezvous choice wins, so routers agree.
+    cold_slack_tokens: float = 512.0
+    #: cache_aware: bounded loads, made soft: a replica holding more than ``load_bound``
+    #: times the fleet's mean outstanding requests weighs ``overflow_tokens`` more per
+    #: request beyond it. A short prefix moves away; a long private history may stay.
+    load_bound: float = 1.5
+    overflow_tokens: float = 2048.0
+    #: sglang_cache_aware: SGLang router's defaults.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    #: SGLang's tree holds up to 2**26 characters per worker (about 4 per token).
+    sglang_max_tree_tokens: int = 2**26 // 4
+
+    @property
+    def stride_tokens(self) -> int:
+        """Tokens between two hashed block boundaries (the router's unit of prefix)."""
+        return self.block_size * self.index.stride
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("cache_threshold must lie in [0, 1]")
+        if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
+            raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
+        if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
+            raise ValueError("recompute_weight and private_recompute_weight must be positive")
+        if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
+            raise ValueError("load_bound must be at least 1, overflow_tokens not negative "
+                             "and popular_requests positive")  # fmt: skip
+
+
+class Policy:
+    """Base class: subclasses set ``name`` and implement ``choose``."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        self.config = config
+        self.clock = clock
+        self.rng = rng
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        raise NotImplementedError
+
+    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        """Called once the request is sent to ``replica``."""
+
+    def on_complete(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        """Called when the request ends, whether it finished, failed or was aborted."""
+
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        """Called when a replica joins the fleet."""
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        """Called when a replica leaves: forget everything about it."""
+
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> None:
+        """Called with a replica's KV events (precise cache-aware routing uses them)."""
+
+    def _least_loaded(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        low = min(r.outstanding_requests for r in replicas)
+        return self._pick([r for r in replicas if r.outstanding_requests == low])
+
+    def _pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        return replicas[int(self.rng.integers(len(replicas)))] if len(replicas) > 1 else replicas[0]

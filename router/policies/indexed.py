@@ -1,0 +1,50 @@
+"""The base of cache-aware policies: a prefix index fed by decisions and KV events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from replica.api.kv_events import KVEvent
+from router.policies.base import Clock, Policy, PolicyConfig, ReplicaState, RoutingRequest
+from router.prefix_index import IndexConfig, PrefixIndex
+
+
+class IndexedPolicy(Policy):
+    """A policy with a prefix index that it feeds with its decisions and KV events."""
+
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
+        self.index = PrefixIndex(self._index_config(config), config.block_size, clock)
+
+    def _index_config(self, config: PolicyConfig) -> IndexConfig:
+        return config.index
+
+    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        self._know(replica)
+        self.index.record_routing(replica.replica_id, request.stride_hashes)
+
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        self.index.add_replica(replica.replica_id, self._index_capacity(replica))
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        self.index.remove_replica(replica.replica_id)
+
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> None:
+        self.index.apply_events(replica.replica_id, events)
+
+    def _index_capacity(self, replica: ReplicaState) -> int:
+        return replica.capacity_blocks
+
+    def _know(self, replica: ReplicaState) -> None:
+        """Replicas may reach the policy before ``on_replica_added`` does."""
+        if not self.index.knows(replica.replica_id):
+            self.on_replica_added(replica)
+
+    def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
+        """Cached tokens of the replicas that hold any (absent: none)."""
+        matched = self.index.match(request.stride_hashes)
+        # The engine always computes at least the last prompt token.
+        limit = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        return {replica: min(tokens, limit) for replica, tokens in matched.items()}

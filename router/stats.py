@@ -1,0 +1,76 @@
+"""The gateway's ``GET /stats``, typed, read by the bench, the tests and operators.
+
+It carries the gateway's whole configuration, routing knobs included, so the bench
+can replay a live run with the very ``PolicyConfig`` the gateway routed with.
+Encoded and decoded with the contract's codec (``replica.api.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.config import GatewayConfig
+
+
+@dataclass
+class PolicyCounts:
+    """One backend's requests under one policy, and how well their cache was predicted:
+    requests with a prediction, those within one router stride of what the replica
+    reported, and the cached tokens predicted and reported (for those requests)."""
+
+    requests: int = 0
+    predictions: int = 0
+    close_predictions: int = 0
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    url: str
+    replica_id: str
+    #: Requests sent here (retries included) since the gateway started.
+    dispatched: int
+    outstanding_requests: int
+    outstanding_prefill_tokens: int
+    #: Per policy name (the gateway's policy can be switched while it runs).
+    by_policy: dict[str, PolicyCounts]
+    upstream_errors: int
+    #: Whether it publishes KV events (ours do; vLLM and SGLang servers over HTTP do not).
+    kv_events: bool
+    #: False while its circuit is open (no requests until a probe succeeds).
+    healthy: bool
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        return sum(counts.predicted_cached_tokens for counts in self.by_policy.values())
+
+    @property
+    def actual_cached_tokens(self) -> int:
+        return sum(counts.actual_cached_tokens for counts in self.by_policy.values())
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    requests: int
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    #: Cached over prompt tokens; ``None`` before the first answer that reported them.
+    token_hit_rate: float | None
+
+
+@dataclass(frozen=True)
+class GatewayStats:
+    policy: str
+    #: Tries repeated on another replica, requests refused (429) and waiting now.
+    retries: int
+    refused: int
+    queued: int
+    config: GatewayConfig
+    backends: list[BackendStats]
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+
+    def by_policy(self, policy: str) -> list[PolicyCounts]:
+        """Each backend's counts under ``policy`` (zeros where it routed nothing)."""
+        return [b.by_policy.get(policy, PolicyCounts()) for b in self.backends]

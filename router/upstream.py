@@ -1,0 +1,252 @@
+"""The request path: one request from admission to its replica's last byte.
+
+The policy picks a replica among those with room; the request body goes upstream as
+the client wrote it (rewritten once, only if a field must change); the answer comes
+back without buffering. While no byte has reached the client, a failed replica's
+request is retried on another, with jittered exponential backoff. However the
+request ends, its load is released exactly once (``Accounting.ended``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import aiohttp
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from replica.api import openai as api
+from router.admission import Overloaded
+from router.backends import Backend
+from router.gateway import Gateway
+from router.policies import Policy, ReplicaState, RoutingRequest
+
+JSON_HEADERS = {"content-type": "application/json"}
+CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+#: Upstream answers worth another replica's try (the replica is overloaded or broken).
+RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
+
+
+#: One try of a request on one replica, chosen by one policy.
+Attempt = Callable[[Backend, Policy], Awaitable[Response]]
+
+
+class UpstreamFailed(Exception):
+    """A replica failed before the client got a byte: another replica may serve it."""
+
+
+class Upstream:
+    """Forwards requests for one gateway over its pooled ``client``."""
+
+    def __init__(self, gateway: Gateway, client: aiohttp.ClientSession) -> None:
+        self.gateway = gateway
+        self.client = client
+
+    async def forward(
+        self,
+        path: str,
+        raw: bytes,
+        routing: RoutingRequest,
+        stream: bool,
+        include_usage: bool,
+        received: float,
+        fields: dict[str, Any] | None = None,
+    ) -> Response:
+        """Send the request, as the client wrote it (with ``fields`` set), to the
+        replica the policy picks, retrying on others while that is safe."""
+        gateway = self.gateway
+        if not gateway.pool.backends:
+            return _error("no backends to route to", 503)
+        try:
+            states = await gateway.admit()
+        except Overloaded as error:
+            headers = {"retry-after": str(error.retry_after_s)}
+            return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
+        raw = _rewritten(raw, stream and not include_usage, fields)
+        gateway.metrics.overhead.observe(time.perf_counter() - received)
+        send = partial(self._attempt, path, raw, stream, include_usage, routing)
+        return await self._with_retries(routing, states, send)
+
+    async def _with_retries(
+        self, routing: RoutingRequest, states: list[ReplicaState], send: Attempt
+    ) -> Response:
+        """``send`` to the policy's choice; after a failure, to its choice among the
+        replicas not tried yet, at most ``max_retries`` times."""
+        gateway = self.gateway
+        tried: set[str] = set()
+        failure = UpstreamFailed("every replica is down")
+        max_retries = gateway.config.max_retries
+        for attempt in range(max_retries + 1):
+            candidates = [s for s in states if s.replica_id not in tried]
+            if not candidates:
+                break
+            policy = gateway.policy
+            backend = gateway.pool.by_state(policy.choose(routing, candidates))
+            tried.add(backend.state.replica_id)
+            gateway.accounting.dispatched(routing, backend.state, policy)
+            try:
+                return await send(backend, policy)
+            except UpstreamFailed as error:
+                failure = error
+            if attempt < max_retries:
+                gateway.accounting.retries += 1
+                await self._backoff(attempt)
+                states = gateway.available() or gateway.pool.states  # circuits may have opened
+        return _error(f"no replica could serve the request: {failure}", 502)
+
+    async def _backoff(self, attempt: int) -> None:
+        jitter = 0.5 + self.gateway.rng.random()
+        await asyncio.sleep(self.gateway.config.retry_backoff_s * 2**attempt * jitter)
+
+    async def _attempt(
+        self,
+        path: str,
+        raw: bytes,
+        stream: bool,
+        include_usage: bool,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+    ) -> Response:
+        """One try on one replica; raises :class:`UpstreamFailed` while retrying is safe."""
+        try:
+            response = await self.client.post(backend.url + path, data=raw, headers=JSON_HEADERS)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise self._failed(routing, backend, policy, error) from None
+        if response.status in RETRYABLE_STATUSES:
+            response.release()
+            self._ended(routing, backend, policy, None, failed=True)
+            raise UpstreamFailed(f"{backend.url} answered {response.status}")
+        if response.status != 200 or not stream:
+            return await self._whole(response, routing, backend, policy)
+        try:  # the first event, before the client sees anything: a failure is retryable
+            first = await _first_line(response)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            response.release()
+            raise self._failed(routing, backend, policy, error) from None
+        return StreamingResponse(
+            self._relay(response, first, routing, backend, policy, include_usage),
+            media_type="text/event-stream",
+        )
+
+    def _failed(
+        self, routing: RoutingRequest, backend: Backend, policy: Policy, error: BaseException
+    ) -> UpstreamFailed:
+        """The replica did not answer: release the load, stop routing to it."""
+        self._ended(routing, backend, policy, None, failed=True)
+        self.gateway.pool.open_circuit(backend)
+        return UpstreamFailed(f"{backend.url} failed: {error!r}")
+
+    def _ended(
+        self,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+        cached: int | None,
+        failed: bool,
+    ) -> None:
+        self.gateway.accounting.ended(routing, backend.state, policy, cached, failed)
+        self.gateway.admission.slot_freed()
+
+    async def _whole(
+        self,
+        response: aiohttp.ClientResponse,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+    ) -> Response:
+        try:
+            content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise self._failed(routing, backend, policy, error) from None
+        finally:
+            response.release()
+        cached = None
+        if response.status == 200:
+            self.gateway.accounting.first_token(routing, backend.state)
+            found = CACHED_TOKENS.search(content)  # cheaper than decoding the whole answer
+            cached = int(found.group(1)) if found else None
+        self._ended(routing, backend, policy, cached, failed=response.status >= 500)
+        media = response.headers.get("content-type", "application/json")
+        return Response(content, status_code=response.status, media_type=media)
+
+    async def _relay(
+        self,
+        response: aiohttp.ClientResponse,
+        first: str,
+        routing: RoutingRequest,
+        backend: Backend,
+        policy: Policy,
+        client_wants_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """Pass the stream through; if the replica dies mid-stream, end it with an
+        error event (the client has tokens already: no silent truncation, no retry)."""
+        cached: int | None = None
+        failed = True
+        self.gateway.accounting.first_token(routing, backend.state)
+        try:
+            lines = _lines(response)
+            line: str | None = first
+            while line is not None:
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage") and not chunk.get("choices"):
+                        cached = _cached_tokens(chunk["usage"])
+                        if not client_wants_usage:
+                            line = await anext(lines, None)
+                            continue  # the gateway asked for it, the client did not
+                yield (line + "\n\n").encode()
+                line = await anext(lines, None)
+            failed = False
+        except (aiohttp.ClientError, TimeoutError) as error:
+            self.gateway.pool.open_circuit(backend)
+            message = f"upstream {backend.url} failed mid-stream: {error!r}"
+            yield f"data: {json.dumps(api.error_body(message, 502))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            response.release()
+            self._ended(routing, backend, policy, cached, failed=failed)
+
+
+def _rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:
+    """The body with ``fields`` set, and a streamed answer's usage asked for (it tells
+    the gateway the cached tokens); one rewrite, only when something must change."""
+    fields = dict(fields or {})
+    if ask_for_usage:
+        fields["stream_options"] = {"include_usage": True}
+    return json.dumps({**json.loads(raw), **fields}).encode() if fields else raw
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse(api.error_body(message, status), status_code=status)
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The non-empty lines of an SSE stream."""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\r\n")
+        if line:
+            yield line
+
+
+async def _first_line(response: aiohttp.ClientResponse) -> str:
+    while True:
+        raw = await response.content.readline()
+        if not raw:
+            raise aiohttp.ClientPayloadError("the stream ended before its first event")
+        line = raw.decode().rstrip("\r\n")
+        if line:
+            return line
+
+
+def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return int(value) if value is not None else None
