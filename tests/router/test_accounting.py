@@ -1,0 +1,61 @@
+"""The gateway's counters: one owner, read by /stats and /metrics alike."""
+
+import numpy as np
+
+from replica.api import stats as codec
+from router.accounting import Accounting
+from router.admission import AdmissionQueue
+from router.backends import Backend
+from router.config import GatewayConfig
+from router.metrics import GatewayMetrics
+from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.stats import GatewayStats, PolicyCounts
+from tests.shared import FakeClock
+
+
+class FakePool:
+    """What the accounting and the metrics read of the backend pool."""
+
+    def __init__(self, *names: str) -> None:
+        self.backends = [
+            Backend(f"http://127.0.0.1:{8001 + i}", ReplicaState(name, 64))
+            for i, name in enumerate(names)
+        ]
+
+
+def policy(name: str):
+    return make_policy(name, FakeClock(), np.random.default_rng(0), PolicyConfig())
+
+
+def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
+    pool, accounting = FakePool("a", "b"), Accounting(tolerance_tokens=64)
+    admission = AdmissionQueue(max_queued=4, timeout_s=1.0)
+    a, b = (backend.state for backend in pool.backends)
+    ours, baseline = policy("cache_aware"), policy("round_robin")
+    close = RoutingRequest("1", 1000, [1], predicted_cached_tokens=512, tenant="acme")
+    far = RoutingRequest("2", 1000, [2], predicted_cached_tokens=0, tenant="acme")
+    failed = RoutingRequest("3", 400, [3], tenant="globex")
+    for request, replica, pol in ((close, a, ours), (far, a, ours), (failed, b, baseline)):
+        accounting.dispatched(request, replica, pol)
+    accounting.first_token(close, a)
+    accounting.ended(close, a, ours, cached=544, failed=False)
+    accounting.ended(far, a, ours, cached=768, failed=False)
+    accounting.ended(failed, b, baseline, cached=None, failed=True)
+
+    stats = accounting.stats("cache_aware", GatewayConfig(), pool, admission)
+    assert codec.decode(GatewayStats, codec.encode(stats)) == stats
+    first, second = stats.backends
+    assert first.by_policy == {"cache_aware": PolicyCounts(2, 2, 1, 512, 1312)}
+    assert second.by_policy == {"round_robin": PolicyCounts(1, 0, 0, 0, 0)}
+    assert (first.upstream_errors, second.upstream_errors) == (0, 1)
+    assert all(b.outstanding_requests == b.outstanding_prefill_tokens == 0 for b in stats.backends)
+    assert stats.tenants["acme"].token_hit_rate == (544 + 768) / 2000
+    assert stats.tenants["globex"].errors == 1 and stats.tenants["globex"].token_hit_rate is None
+
+    text = GatewayMetrics(accounting, pool, admission).render().decode()
+    assert 'prefix_router_routing_decisions_total{policy="cache_aware",replica="a"} 2.0' in text
+    assert (
+        'prefix_router_actual_cached_tokens_total{policy="cache_aware",replica="a"} 1312.0' in text
+    )
+    assert 'prefix_router_upstream_errors_total{replica="b"} 1.0' in text
+    assert 'prefix_router_tenant_cached_tokens_total{tenant="acme"} 1312.0' in text
