@@ -50,15 +50,15 @@ class Answer:
             yield event(api.usage_chunk(self.request_id, self.model, kind, usage_of(last)))
         yield "data: [DONE]\n\n"
 
-    async def whole(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-        tokens: list[int] = []
-        last: RequestOutput | None = None
+    async def whole(
+        self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[bytes]:
+        """The answer in one JSON body, from its ``first`` output and the rest."""
+        self.on_first_token()
+        tokens, last = list(first.new_token_ids), first
         async for output in outputs:
-            if last is None:
-                self.on_first_token()
             last = output
             tokens += output.new_token_ids
-        assert last is not None, "an engine request always produces a token"
         build = api.chat_body if self.chat else api.completion_body
         text = self.decode(tokens)
         yield json.dumps(

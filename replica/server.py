@@ -64,7 +64,7 @@ async def completions(body: api.CompletionRequest, request: Request) -> Response
     engine_request = EngineRequest(
         api.new_id("cmpl"), prompt, body.token_limit(), body.ignore_eos, body.cache_salt
     )
-    return replica.answer(engine_request, body.stream, body.include_usage, chat=False)
+    return await replica.answer(engine_request, body.stream, body.include_usage, chat=False)
 
 
 @routes.post("/v1/chat/completions")
@@ -75,7 +75,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request) ->
     engine_request = EngineRequest(
         api.new_id("chatcmpl"), prompt, body.token_limit(), body.ignore_eos, body.cache_salt
     )
-    return replica.answer(engine_request, body.stream, body.include_usage, chat=True)
+    return await replica.answer(engine_request, body.stream, body.include_usage, chat=True)
 
 
 @routes.get("/v1/models")

@@ -32,10 +32,14 @@ class Replica:
         self.requests = 0  # accepted since the last reset
         self.errors = 0  # refused since the last reset
 
-    def answer(
+    async def answer(
         self, request: EngineRequest, stream: bool, include_usage: bool, chat: bool
     ) -> Response:
-        """Queue ``request`` and answer as it runs; 400 if it can never fit."""
+        """Queue ``request`` and answer as it runs; 400 if it can never fit.
+
+        A whole (non-streamed) answer's headers wait for the first token, so a router
+        in front learns when the prefill ended, as a stream's first token tells it.
+        """
         try:
             outputs = self.loop.submit(request)
         except ValueError as error:
@@ -52,7 +56,8 @@ class Replica:
             return StreamingResponse(
                 answer.stream(outputs, include_usage), media_type="text/event-stream"
             )
-        return StreamingResponse(answer.whole(outputs), media_type="application/json")
+        first = await anext(outputs)
+        return StreamingResponse(answer.whole(first, outputs), media_type="application/json")
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)

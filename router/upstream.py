@@ -160,6 +160,10 @@ class Upstream:
         backend: Backend,
         policy: Policy,
     ) -> Response:
+        """A whole answer. Our replicas send its headers once the first token exists
+        (other servers, at the end): from then on its prefill no longer loads the replica."""
+        if response.status == 200:
+            self.gateway.accounting.first_token(routing, backend.state)
         try:
             content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -168,7 +172,6 @@ class Upstream:
             response.release()
         cached = None
         if response.status == 200:
-            self.gateway.accounting.first_token(routing, backend.state)
             found = CACHED_TOKENS.search(content)  # cheaper than decoding the whole answer
             cached = int(found.group(1)) if found else None
         self._ended(routing, backend, policy, cached, failed=response.status >= 500)
@@ -184,15 +187,18 @@ class Upstream:
         policy: Policy,
         client_wants_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """Pass the stream through; if the replica dies mid-stream, end it with an
-        error event (the client has tokens already: no silent truncation, no retry)."""
+        """Pass the stream through, releasing the prefill at the first generated token
+        (not at a chat's role announcement, which comes before any); if the replica dies
+        mid-stream, end it with an error event (the client has tokens already: no
+        silent truncation, no retry)."""
         cached: int | None = None
         failed = True
-        self.gateway.accounting.first_token(routing, backend.state)
         try:
             lines = _lines(response)
             line: str | None = first
             while line is not None:
+                if routing.prefilling and _carries_token(line):
+                    self.gateway.accounting.first_token(routing, backend.state)
                 if line.startswith("data: {") and '"usage"' in line:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage") and not chunk.get("choices"):
@@ -242,6 +248,17 @@ async def _first_line(response: aiohttp.ClientResponse) -> str:
         line = raw.decode().rstrip("\r\n")
         if line:
             return line
+
+
+def _carries_token(line: str) -> bool:
+    """Whether an SSE line carries a generated token: text, or the end of a choice."""
+    if not line.startswith("data: {"):
+        return False
+    choices = json.loads(line[6:]).get("choices") or ()
+    return any(
+        c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason")
+        for c in choices
+    )
 
 
 def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
