@@ -31,7 +31,12 @@ def expected_requests() -> int:
     return BenchConfig(chat={**chat, "user_tokens": 20}).load().num_requests
 
 
-def check_report(out: Path, policies: list[str]) -> list[dict]:
+#: How far a live hit rate may land from the replay's prediction of the same run: the
+#: README promises agreement, the bench flags rows beyond 5 points.
+LIVE_REPLAY_GAP = 0.03
+
+
+def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[dict]:
     report = json.loads((out / "report.json").read_text())
     rows = report["rows"]
     assert [r["label"] for r in rows] == policies
@@ -45,11 +50,20 @@ def check_report(out: Path, policies: list[str]) -> list[dict]:
         assert row["client_token_hit_rate"] == row["token_hit_rate"]
         assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
         assert row["imbalance"] >= 1.0 and 0.0 <= row["cpu_busy"] <= 1.0
-        assert row["replay_token_hit_rate"] is not None
-        gap = abs(row["token_hit_rate"] - row["replay_token_hit_rate"])
-        assert row["replay_differs"] == (gap > 0.05)
+        if replayed:
+            live, replay = row["token_hit_rate"], row["replay_token_hit_rate"]
+            assert abs(live - replay) <= LIVE_REPLAY_GAP, (
+                f"{row['label']}: live hit rate {live:.3f}, replay {replay:.3f}"
+            )
+            assert row["replay_differs"] is False
+        else:
+            assert row["replay_token_hit_rate"] is None and row["replay_differs"] is None
     assert 0.0 <= report["meta"]["cpu_busy"] <= 1.0
     markdown = (out / "report.md").read_text()
+    if replayed:
+        assert f"agree within 5 points: {', '.join(policies)}." in markdown
+    else:  # nothing compared, nothing claimed
+        assert "agree within" not in markdown and "Not compared with a replay" in markdown
     assert all(f"| {p} " in markdown for p in policies)
     assert all(
         (out / chart).stat().st_size > 0 for chart in ("hit_rate.png", "ttft.png", "load.png")
@@ -66,15 +80,20 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "report:" in done.stdout and "| cache_aware" in done.stdout
     rows = check_report(tmp_path, ["round_robin", "cache_aware"])
-    assert rows[1]["prediction_accuracy"] is not None and rows[0]["prediction_accuracy"] is None
+    # Per request, the router's predicted cached tokens land within one stride of what
+    # the engine reported (round robin predicts nothing: unknown, not zero).
+    assert rows[1]["prediction_accuracy"] >= 0.95 and rows[0]["prediction_accuracy"] is None
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
 
 
 @pytest.mark.ray
 def test_bench_runs_its_own_embedded_deployment_and_stops_it(tmp_path):
-    done = bench(tmp_path, "--replicas", "2", "--replica-speedup", "4", "--policies", "cache_aware")
+    done = bench(
+        tmp_path, "--replicas", "2", "--replica-speedup", "4", "--policies", "cache_aware",
+        "--no-replay",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    check_report(tmp_path, ["cache_aware"])
+    check_report(tmp_path, ["cache_aware"], replayed=False)
     leftover = subprocess.run(["pgrep", "-f", "deploy.cli serve"], capture_output=True, check=False)
     assert leftover.stdout == b""
 
