@@ -132,6 +132,7 @@ class Upstream:
         return StreamingResponse(
             self._relay(response, first, routing, backend, policy, include_usage),
             media_type="text/event-stream",
+            headers=decision_headers(routing, backend),
         )
 
     def _failed(
@@ -176,7 +177,8 @@ class Upstream:
             cached = int(found.group(1)) if found else None
         self._ended(routing, backend, policy, cached, failed=response.status >= 500)
         media = response.headers.get("content-type", "application/json")
-        return Response(content, status_code=response.status, media_type=media)
+        headers = decision_headers(routing, backend)
+        return Response(content, status_code=response.status, media_type=media, headers=headers)
 
     async def _relay(
         self,
@@ -217,6 +219,15 @@ class Upstream:
         finally:
             response.release()
             self._ended(routing, backend, policy, cached, failed=failed)
+
+
+def decision_headers(routing: RoutingRequest, backend: Backend) -> dict[str, str]:
+    """What the router decided, for clients and tests to see: the replica, and the
+    cached tokens it expected there (a cache-aware policy's prediction)."""
+    headers = {"x-prefix-router-replica": backend.state.replica_id}
+    if routing.predicted_cached_tokens is not None:
+        headers["x-prefix-router-predicted-cached-tokens"] = str(routing.predicted_cached_tokens)
+    return headers
 
 
 def _rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:

@@ -3,10 +3,12 @@
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from deploy.processes import running
+from replica.api.tokenizer import ByteTokenizer
 from tests.shared import gateway_stats
 
 pytestmark = pytest.mark.slow
@@ -85,13 +87,42 @@ def test_a_conversation_sticks_to_the_replica_that_holds_it(fleet, client):
     assert sorted(after[u] - before[u] for u in after) == [0, 4]
 
 
-def test_predictions_match_what_replicas_report_and_load_returns_to_zero(fleet, client):
+def shared_tokens(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def test_every_prediction_is_the_cached_prefix_the_replica_then_reports(fleet):
+    """Questions after one system prompt: each request's cached tokens are known (the
+    rendered prompts' shared tokens, in whole blocks), and so is what the router must
+    predict (the same, in whole strides of 64 tokens). Both are pinned per request."""
+    url, _ = fleet
+    system = {"role": "system", "content": "Pinned prediction prefix. " * 200}
+    prompts, replicas = [], set()
+    for turn in range(4):
+        messages = [system, {"role": "user", "content": f"Question number {turn}?"}]
+        prompt = ByteTokenizer().apply_chat_template(messages)
+        body = {"messages": messages, "max_tokens": 2, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+        shared = max((shared_tokens(prompt, p) for p in prompts), default=0)
+        shared = min(shared, len(prompt) - 1)  # the engine computes the last token
+        assert (predicted, cached) == (shared // 64 * 64, shared // 16 * 16), turn
+        prompts.append(prompt)
+        replicas.add(answer.headers["x-prefix-router-replica"])
+    assert shared > 1000 and len(replicas) == 1  # the cached prefix was long, and followed
+
+
+def test_load_returns_to_zero_and_predictions_are_counted(fleet, client):
     url, _ = fleet
     for i in range(3):
         chat(client, f"prediction {i}", system="Predicted prefix. " * 80)
     for backend in gateway_stats(url).backends:
         assert backend.outstanding_requests == 0 and backend.outstanding_prefill_tokens == 0
-        assert abs(backend.predicted_cached_tokens - backend.actual_cached_tokens) <= 64 * 20
+        for counts in backend.by_policy.values():
+            assert counts.close_predictions <= counts.predictions <= counts.requests
         assert backend.kv_events is True
     metrics = httpx.get(url + "/metrics").text
     assert "prefix_router_routing_decisions_total" in metrics
