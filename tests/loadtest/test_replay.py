@@ -19,8 +19,10 @@ SMALL = ChatConfig(num_sessions=60, session_rate=4.0)
 def test_the_seed_experiment_lands_near_the_chapters_figures():
     row = replay_row(replay(chat_workload(), ReplayConfig(replicas=1)))
     assert row["failures"] == 0 and row["requests"] == chat_workload().num_requests
-    assert 0.75 <= row["block_hit_rate"] <= 0.85, row["block_hit_rate"]  # seed: about 80%
-    assert 0.73 <= row["token_hit_rate"] <= 0.83, row["token_hit_rate"]  # seed: about 78%
+    # The chapter expects about 80% of blocks and 78% of prefill tokens; the README
+    # states what this deterministic replay gives, and so does this test.
+    assert round(row["block_hit_rate"], 3) == 0.788, row["block_hit_rate"]
+    assert round(row["token_hit_rate"], 3) == 0.786, row["token_hit_rate"]
     assert row["block_hit_rate"] >= row["token_hit_rate"]
     assert row["prefill_tokens_saved"] == row["cached_tokens"] > 0
     assert row["evictions"] > 0  # the default capacity cannot hold everything

@@ -61,9 +61,11 @@ def test_round_robin_takes_each_replica_in_turn():
 
 def test_random_is_reproducible_for_a_seed_and_uses_every_replica():
     replicas = fleet(4)
-    first = [policy("random", 7).choose(request(prompt(5)), replicas) for _ in range(1)]
-    again = [policy("random", 7).choose(request(prompt(5)), replicas) for _ in range(1)]
-    assert first == again
+    first, again = policy("random", 7), policy("random", 7)
+    draws = [first.choose(request(prompt(5)), replicas).replica_id for _ in range(200)]
+    assert draws == [again.choose(request(prompt(5)), replicas).replica_id for _ in range(200)]
+    other = policy("random", 8)
+    assert draws != [other.choose(request(prompt(5)), replicas).replica_id for _ in range(200)]
     pol = policy("random", 1)
     assert len({pol.choose(request(prompt(5)), replicas).replica_id for _ in range(100)}) == 4
 
@@ -191,6 +193,18 @@ def test_sglang_cache_aware_goes_least_loaded_when_the_fleet_is_imbalanced():
     assert pol.choose(follow_up, replicas) is replicas[1]
     replicas[1].outstanding_requests = 40  # 100 - 40 < 64: balanced again
     assert pol.choose(follow_up, replicas) is replicas[0]
+
+
+def test_sglang_cache_aware_needs_both_imbalance_thresholds_to_balance():
+    replicas, pol = fleet(2), policy("sglang_cache_aware")
+    history = prompt(1000)
+    pol.on_dispatch(request(history), replicas[0])
+    follow_up = request(np.concatenate((history, prompt(10, 5000))))
+    replicas[0].outstanding_requests, replicas[1].outstanding_requests = 300, 220
+    # 300 - 220 > 64, but 300 < 1.5 x 220: not imbalanced, so the cache decides.
+    assert pol.choose(follow_up, replicas) is replicas[0]
+    replicas[1].outstanding_requests = 190  # 300 > 1.5 x 190 and 110 > 64: imbalanced
+    assert pol.choose(follow_up, replicas) is replicas[1]
 
 
 def test_sglang_cache_aware_sends_low_matches_to_the_smallest_tree():
