@@ -16,8 +16,8 @@ $(INSTALLED): pyproject.toml | $(BIN)/python
 
 install: $(INSTALLED)
 
-# The main job: round_robin against cache_aware under real HTTP load (Locust) on an
-# embedded deployment of 4 replicas, with the report and charts in reports/bench.
+# The main job: round_robin, cache_aware_approx and cache_aware under real HTTP load
+# (Locust) on an embedded deployment of 4 replicas; the report and charts in reports/bench.
 demo: $(INSTALLED)
 	$(BIN)/prefix-router bench --out reports/bench
 

@@ -65,7 +65,10 @@ REPLAY_TOLERANCE = 0.05
 
 @dataclass(frozen=True)
 class BenchConfig:
-    policies: tuple[str, ...] = ("round_robin", "cache_aware")
+    #: The baseline, then ours with an index learned from its own decisions only (as
+    #: SGLang's router learns), then ours fed by the replicas' KV events: what routing
+    #: alone buys, and what the events add.
+    policies: tuple[str, ...] = ("round_robin", "cache_aware_approx", "cache_aware")
     workload: str = "chat"
     #: Overrides of the chat workload's parameters (on top of :data:`BENCH_CHAT`).
     chat: Mapping[str, Any] = field(default_factory=dict)

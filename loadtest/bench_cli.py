@@ -62,7 +62,7 @@ def add_bench_parser(commands: Any) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(BenchConfig().policies),
-        help="comma-separated (default: round_robin,cache_aware)",
+        help=f"comma-separated (default: {','.join(BenchConfig().policies)})",
     )
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
     parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")

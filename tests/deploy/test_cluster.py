@@ -158,7 +158,8 @@ def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
 def test_bench_finds_the_cluster_gateway_and_compares_policies_on_it(head, tmp_path):
     _, gateway, _ = up_two_replicas()
     try:
-        done = prefix_router("bench", "--address", "auto", "--out", str(tmp_path), *TINY)
+        policies = ["--policies", "round_robin,cache_aware"]
+        done = prefix_router("bench", "--address", "auto", "--out", str(tmp_path), *TINY, *policies)
     finally:
         prefix_router("down", "--address", "auto")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -2,6 +2,7 @@
 consistency (engine against client, replay against live, counts against counts)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,7 @@ def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[
         assert f"agree within 5 points: {', '.join(policies)}." in markdown
     else:  # nothing compared, nothing claimed
         assert "agree within" not in markdown and "Not compared with a replay" in markdown
-    assert all(f"| {p} " in markdown for p in policies)
+    assert all(re.search(rf"\|\s+{p} \|", markdown) for p in policies)
     assert all(
         (out / chart).stat().st_size > 0 for chart in ("hit_rate.png", "ttft.png", "load.png")
     )
@@ -79,10 +80,11 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
             done = bench(tmp_path, "--gateway", url)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "report:" in done.stdout and "| cache_aware" in done.stdout
-    rows = check_report(tmp_path, ["round_robin", "cache_aware"])
+    rows = check_report(tmp_path, ["round_robin", "cache_aware_approx", "cache_aware"])
     # Per request, the router's predicted cached tokens land within one stride of what
     # the engine reported (round robin predicts nothing: unknown, not zero).
-    assert rows[1]["prediction_accuracy"] >= 0.95 and rows[0]["prediction_accuracy"] is None
+    assert rows[0]["prediction_accuracy"] is None
+    assert rows[1]["prediction_accuracy"] >= 0.9 and rows[2]["prediction_accuracy"] >= 0.95
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
 
 
