@@ -14,6 +14,7 @@ from typing import Any
 from deploy.flags import add_config_flags, config_from_args
 from deploy.serving import serve_http
 from loadtest.bench_cli import add_bench_parser
+from loadtest.crossover import add_crossover_parser
 from loadtest.replay_cli import add_replay_parser
 from replica.api.config import ReplicaConfig
 from replica.engine import EngineConfig
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(commands)
+    add_crossover_parser(commands)
     add_bench_parser(commands)
     add_replica_parser(commands)
     add_gateway_parser(commands)

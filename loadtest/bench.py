@@ -33,7 +33,7 @@ from tqdm import tqdm
 from deploy import processes
 from deploy.flags import config_flags
 from loadtest.replay import ReplayConfig, replay
-from loadtest.report import ROW_KEYS, Row, percentile, replay_row
+from loadtest.report import ROW_KEYS, Row, percentile, replay_row, tier_figures
 from loadtest.workloads import ChatConfig, Workload, load_workload
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
@@ -160,6 +160,8 @@ class Fleet:
             max_num_seqs=first.max_num_seqs,
             max_num_batched_tokens=first.max_num_batched_tokens,
             model=first.model,
+            host_blocks=first.host_blocks,
+            host_link=first.host_link,
             routing=replace(routing, block_size=first.block_size),
             compute_scale=first.speedup,  # simulated time runs this much faster
         )
@@ -366,12 +368,15 @@ def _hit_figures(replicas: list[ReplicaStats]) -> Row:
     caches = [r.cache for r in replicas]
     prompt, cached = sum(c.query_tokens for c in caches), sum(c.hit_tokens for c in caches)
     blocks = sum(c.query_blocks for c in caches)
+    host_hits = sum(c.host_hit_tokens for c in caches)
+    to_host, to_gpu = sum(c.bytes_to_host for c in caches), sum(c.bytes_to_gpu for c in caches)
     return {
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "token_hit_rate": cached / prompt if prompt else None,
         "block_hit_rate": sum(c.hit_blocks for c in caches) / blocks if blocks else None,
         "evictions": sum(c.evictions for c in caches),
+        **tier_figures(prompt, cached, host_hits, to_host, to_gpu),
     }
 
 

@@ -47,6 +47,9 @@ class ReplayConfig:
     max_burst_steps: int = 64
     #: Each engine computes this many times faster than its profile's GPU.
     compute_scale: float = 1.0
+    #: Host-memory KV blocks under each replica's GPU blocks (0: none), and their link.
+    host_blocks: int = ReplicaConfig.host_blocks
+    host_link: str = ReplicaConfig.host_link
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.capacity_blocks < 1:
@@ -67,6 +70,8 @@ class ReplayConfig:
             scheduler,
             compute_scale=self.compute_scale,
             seed=self.seed,
+            host_blocks=self.host_blocks,
+            host_link=self.host_link,
         )
 
     def pooled(self) -> ReplayConfig:
@@ -76,6 +81,7 @@ class ReplayConfig:
             self,
             replicas=1,
             capacity_blocks=n * self.capacity_blocks,
+            host_blocks=n * self.host_blocks,
             max_num_seqs=n * self.max_num_seqs,
             max_num_batched_tokens=n * self.max_num_batched_tokens,
             compute_scale=n * self.compute_scale,

@@ -67,11 +67,34 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         ),
         "prefill_tokens_computed": sum(int(e.prefill_tokens_computed) for e in result.engines),
         "prefill_tokens_saved": hit_tokens,
+        **tier_figures(
+            query_tokens,
+            hit_tokens,
+            sum(s.host_hit_tokens for s in stats),
+            sum(e.bytes_to_host for e in result.engines),
+            sum(e.bytes_to_gpu for e in result.engines),
+        ),
         "preemptions": sum(e.scheduler.num_preemptions for e in result.engines),
         "shared_prefix_evictions": result.shared_prefix_evictions,
         "shared_prefix_hit_rate": _shared_prefix_hit_rate(done, result.config.block_size),
         "requests_per_replica": [int(n) for n in dispatched],
         "duration_s": result.duration_s,
+    }
+
+
+def tier_figures(
+    query_tokens: int, hit_tokens: int, host_hit_tokens: int, bytes_to_host: int, bytes_to_gpu: int
+) -> Row:
+    """Hits split by tier: found on the GPU, loaded from the host, and the recomputed rest."""
+    rate = (lambda tokens: tokens / query_tokens) if query_tokens else (lambda tokens: None)
+    return {
+        "gpu_hit_tokens": hit_tokens - host_hit_tokens,
+        "host_hit_tokens": host_hit_tokens,
+        "recomputed_tokens": query_tokens - hit_tokens,
+        "gpu_hit_rate": rate(hit_tokens - host_hit_tokens),
+        "host_hit_rate": rate(host_hit_tokens),
+        "bytes_to_host": bytes_to_host,
+        "bytes_to_gpu": bytes_to_gpu,
     }
 
 

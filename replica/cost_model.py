@@ -5,6 +5,15 @@ attention FLOPs) and its memory time (weights and KV read from HBM). Prefill add
 FLOPs per *uncached* token, so a prefix-cache hit cuts time to first token through
 less prefill work and nothing else. Decode is memory-bound: it pays for streaming the
 weights once per step and the KV of every running sequence.
+
+The host tier moves KV over PCIe. Loading blocks back to the GPU delays the step
+that needs them: its requests wait for the copy (one transfer per request: a fixed
+latency plus the bytes over the link's bandwidth; not overlapped with compute, which
+overstates the cost where engines load layer by layer). Demoting blocks to the host
+costs no step time: the copy runs on its own stream while the GPU computes, and the
+blocks are free the moment it is issued. Whether loading beats recomputing depends on
+prompt length: recomputing a short run of tokens hides under the weight read of a
+memory-bound step and is nearly free, while a load always pays its latency and bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ class BatchShape:
     prefill_attention_pairs: float = 0.0
     decode_seqs: int = 0
     decode_context_tokens: int = 0
+    #: Tokens of KV loaded from the host tier before the step, in ``load_transfers`` copies.
+    loaded_tokens: int = 0
+    load_transfers: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +47,36 @@ class BatchShape:
     @property
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The GPU's link to host memory: usable bandwidth per direction, latency per copy."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def copy_time(self, num_bytes: float, transfers: int = 1) -> float:
+        return transfers * self.latency_s + num_bytes / self.bytes_per_s
+
+
+# PCIe x16 per direction: 4.0 at 16 GT/s and 5.0 at 32 GT/s per lane, 128b/130b
+# encoding: 31.5 and 63.0 GB/s (PCI-SIG base specifications 4.0 and 5.0). Packet
+# headers and DMA leave about 80% of it to cudaMemcpy from pinned memory (25 to 26 GB/s
+# is the usual bandwidthTest figure on Gen4), hence 25 and 50 GB/s. A copy's fixed cost
+# (launch and DMA set-up) is taken as 10 us: an assumption, of the order measured for
+# cudaMemcpyAsync.
+PCIE4 = HostLink("pcie4", bytes_per_s=25e9, latency_s=10e-6)
+PCIE5 = HostLink("pcie5", bytes_per_s=50e9, latency_s=10e-6)
+LINKS: dict[str, HostLink] = {link.name: link for link in (PCIE4, PCIE5)}
+
+
+def get_link(name: str) -> HostLink:
+    try:
+        return LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown host link {name!r}; known: {', '.join(LINKS)}") from None
 
 
 @dataclass(frozen=True)
@@ -53,21 +95,57 @@ class CostProfile:
     memory_efficiency: float
     step_overhead_s: float
     seq_overhead_s: float
+    #: The GPUs' link to host memory (each GPU of a tensor-parallel group has its own:
+    #: ``num_gpus`` links share a copy).
+    host_link: HostLink = PCIE5
+    num_gpus: int = 1
+    #: HBM per GPU; with ``gpu_memory_utilization`` of it for weights and KV (vLLM's
+    #: default 0.9), it sets how many KV blocks the GPUs hold.
+    gpu_memory_bytes: float = 80e9
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
             raise ValueError("efficiencies must lie in (0, 1]")
 
-    def step_time(self, batch: BatchShape) -> float:
+    def step_time(self, batch: BatchShape, link: HostLink | None = None) -> float:
         """Seconds of GPU time for ``batch``; 0 for an empty batch."""
         if batch.num_tokens == 0:
             return 0.0
-        return self._time(
+        compute = self._time(
             batch.num_tokens,
             batch.num_seqs,
             batch.prefill_attention_pairs + batch.decode_context_tokens,
             batch.decode_context_tokens,
         )
+        if not batch.loaded_tokens:
+            return compute
+        return compute + self.load_time(batch.loaded_tokens, batch.load_transfers, link)
+
+    def load_time(self, tokens: int, transfers: int = 1, link: HostLink | None = None) -> float:
+        """Seconds to copy ``tokens`` of KV from host memory to the GPUs."""
+        link = link or self.host_link
+        return link.copy_time(tokens * self.kv_bytes_per_token / self.num_gpus, transfers)
+
+    def prefill_time(self, computed: int, tokens: int) -> float:
+        """Seconds to prefill ``tokens`` after ``computed`` ones, alone in a step."""
+        pairs = tokens * (computed + (tokens + 1) / 2)
+        return self._time(tokens, 1, pairs, 0) if tokens else 0.0
+
+    def load_beats_recompute(
+        self, host_tokens: int, computed: int, remaining: int, link: HostLink | None = None
+    ) -> bool:
+        """Whether loading ``host_tokens`` (after ``computed`` cached ones, with
+        ``remaining`` to compute after them) costs less than computing them too."""
+        recompute = self.prefill_time(computed, host_tokens + remaining) - self.prefill_time(
+            computed + host_tokens, remaining
+        )
+        return self.load_time(host_tokens, 1, link) < recompute
+
+    def kv_blocks(self, block_size: int) -> int:
+        """KV blocks the profile's GPUs hold after the weights (as vLLM sizes its pool)."""
+        usable = self.num_gpus * self.gpu_memory_bytes * self.gpu_memory_utilization
+        return int((usable - self.weight_bytes) // (self.kv_bytes_per_token * block_size))
 
     def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
         """Durations of ``num_steps`` decode-only steps; every step adds a token per sequence."""
@@ -94,7 +172,8 @@ def _llama3_kv_bytes(num_layers: int) -> int:
 # Llama-3-8B: 32 layers, hidden 4096, 8 KV heads (model config, as mirrored in
 # microsoft/vidur data/model_configs/meta-llama/Meta-Llama-3-8B.yml); 8.03e9 parameters,
 # derived from that config with untied embeddings.
-# H100 SXM5: 989.4 dense BF16 TFLOPS and 3.35 TB/s HBM3 (NVIDIA H100 datasheet).
+# H100 SXM5: 989.4 dense BF16 TFLOPS and 3.35 TB/s HBM3, 80 GB, PCIe Gen5 x16 to the
+# host (NVIDIA H100 datasheet).
 # Efficiencies: Vidur's per-layer profiles of Llama-3-8B (data/profiling/compute/a100/
 # meta-llama/Meta-Llama-3-8B/mlp.csv) run prefill matmuls at ~70% of peak FLOPS and
 # batch-1 decode at ~78% of peak bandwidth.
@@ -116,8 +195,9 @@ LLAMA3_8B_H100 = CostProfile(
     seq_overhead_s=20e-6,
 )
 
-# The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e
-# (NVIDIA A100 datasheet); efficiencies measured on this GPU by Vidur (see above).
+# The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e, PCIe
+# Gen4 x16 to the host (NVIDIA A100 datasheet); efficiencies measured on this GPU by
+# Vidur (see above).
 LLAMA3_8B_A100 = CostProfile(
     name="llama3-8b-a100",
     num_params=8.03e9,
@@ -131,6 +211,7 @@ LLAMA3_8B_A100 = CostProfile(
     memory_efficiency=0.78,
     step_overhead_s=1.0e-3,
     seq_overhead_s=20e-6,
+    host_link=PCIE4,
 )
 
 # Llama-3-70B on 4 H100s with tensor parallelism: 80 layers, hidden 8192, 8 KV heads
@@ -150,6 +231,7 @@ LLAMA3_70B_4XH100 = CostProfile(
     memory_efficiency=0.70,
     step_overhead_s=1.5e-3,
     seq_overhead_s=20e-6,
+    num_gpus=4,
 )
 
 PROFILES: dict[str, CostProfile] = {

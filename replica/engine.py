@@ -17,7 +17,8 @@ import xxhash
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer
-from replica.cost_model import BatchShape, CostProfile, get_profile
+from replica.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
+from replica.host_cache import HostCache
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import EngineRequest, FinishReason, Sequence
@@ -51,10 +52,17 @@ class EngineConfig:
     #: rows use it to stand for a whole fleet's compute in one engine).
     compute_scale: float = 1.0
     seed: int = 0
+    #: Blocks of the host-memory tier (0: none) and its link ("": the profile's).
+    host_blocks: int = 0
+    host_link: str = ""
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if self.host_blocks < 0:
+            raise ValueError(f"host_blocks must not be negative, got {self.host_blocks}")
+        if self.host_link:
+            get_link(self.host_link)
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must lie in [0, 1]")
         if self.compute_scale <= 0:
@@ -72,6 +80,8 @@ class EngineConfig:
             replica.profile,
             scheduler,
             seed=replica.seed,
+            host_blocks=replica.host_blocks,
+            host_link=replica.host_link,
         )
 
     @property
@@ -123,8 +133,17 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         self.cost: CostProfile = get_profile(self.config.profile)
+        self.link: HostLink = (
+            get_link(self.config.host_link) if self.config.host_link else self.cost.host_link
+        )
         self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.cache)
+        self.host: HostCache | None = None
+        if self.config.host_blocks:
+            self.host = HostCache(
+                self.config.host_blocks, self.config.block_size, self.cache.events
+            )
+            self.cache.on_evicted = self.host.store
+        self.scheduler = Scheduler(self.config.scheduler, self.cache, self.host, self._should_load)
         self.tokenizer = tokenizer or ByteTokenizer()
         self._hasher_factory = hasher_factory
         self._seqs: dict[str, Sequence] = {}
@@ -194,7 +213,7 @@ class Engine:
                 return burst
         chunks = self.scheduler.schedule()
         batch = batch_shape(chunks)
-        duration = self.cost.step_time(batch) / self.config.compute_scale
+        duration = self.cost.step_time(batch, self.link) / self.config.compute_scale
         self.now += duration
         self.busy_s += duration
         self.num_steps += bool(chunks)
@@ -294,14 +313,35 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         return self.cache.stats
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of KV in one block (all GPUs of the replica together)."""
+        return self.config.block_size * self.cost.kv_bytes_per_token
+
+    @property
+    def bytes_to_host(self) -> int:
+        return self.host.stats.stored_blocks * self.block_bytes if self.host else 0
+
+    @property
+    def bytes_to_gpu(self) -> int:
+        return self.host.stats.loaded_blocks * self.block_bytes if self.host else 0
+
+    def _should_load(self, host_tokens: int, computed: int, remaining: int) -> bool:
+        return self.cost.load_beats_recompute(host_tokens, computed, remaining, self.link)
+
     def reset_cache(self) -> bool:
-        """Clear the prefix cache and its statistics; refused while requests run."""
-        return not self.has_unfinished and self.cache.reset()
+        """Clear both tiers and their statistics; refused while requests run."""
+        if self.has_unfinished or not self.cache.reset():
+            return False
+        if self.host is not None:
+            self.host.reset()
+        return True
 
 
 def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
     """Summarise a step's chunks for the cost model: only computed tokens cost compute."""
     prefill_seqs = prefill_tokens = decode_seqs = decode_context = 0
+    loaded_tokens = load_transfers = 0
     pairs = 0.0
     for chunk in chunks:
         if chunk.num_tokens == 1 and chunk.seq.output_token_ids:
@@ -311,4 +351,10 @@ def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
             prefill_seqs += 1
             prefill_tokens += chunk.num_tokens
             pairs += chunk.num_tokens * (chunk.num_computed + (chunk.num_tokens + 1) / 2)
-    return BatchShape(prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context)
+        if chunk.loaded_tokens:
+            loaded_tokens += chunk.loaded_tokens
+            load_transfers += 1
+    return BatchShape(
+        prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context,
+        loaded_tokens, load_transfers,
+    )  # fmt: skip

@@ -38,11 +38,31 @@ class EngineCollector:
             ("vllm:prompt_tokens", "Prompt tokens processed.", stats.query_tokens),
             ("prefix_router:evictions", "Blocks evicted from the cache.", stats.evictions),
             ("prefix_router:preemptions", "Requests preempted.", engine.scheduler.num_preemptions),
+            (
+                "prefix_router:host_cache_hits",
+                "Prompt tokens loaded from the host tier (counted in the prefix cache hits).",
+                stats.host_hit_tokens,
+            ),
+            (
+                "prefix_router:kv_bytes_to_host",
+                "KV bytes demoted to the host.",
+                engine.bytes_to_host,
+            ),
+            (
+                "prefix_router:kv_bytes_to_gpu",
+                "KV bytes loaded from the host.",
+                engine.bytes_to_gpu,
+            ),
         )
         gauges = (
             ("vllm:kv_cache_usage_perc", "Fraction of KV blocks pinned.", engine.cache.usage),
             ("vllm:num_requests_running", "Requests in the running batch.", engine.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting),
+            (
+                "prefix_router:host_cache_usage_perc",
+                "Fraction of the host tier's blocks holding KV.",
+                len(engine.host) / engine.host.num_blocks if engine.host else 0.0,
+            ),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])

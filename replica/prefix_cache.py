@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from replica.api.kv_events import EventKind, KVEvent
+from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE
+from replica.event_log import EventLog
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -57,16 +59,29 @@ class Block:
         return self.block_hash is not None and self.ref_count == 0 and self.num_children == 0
 
 
+class EvictedBlock(NamedTuple):
+    """What an evicted block held, handed to the host tier before it is forgotten."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_bytes: bytes
+    depth: int
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Counters since the last reset. Queries count prompt tokens and full prompt blocks."""
 
     query_tokens: int = 0
+    #: Prompt tokens not recomputed: found on the GPU or loaded from the host tier.
     hit_tokens: int = 0
     query_blocks: int = 0
     hit_blocks: int = 0
     stored_blocks: int = 0
     evictions: int = 0
+    #: Of the hits, those loaded from the host tier.
+    host_hit_tokens: int = 0
+    host_hit_blocks: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -91,6 +106,9 @@ class PrefixCache:
     block_size: int
     max_events: int = 100_000
     stats: CacheStats = field(default_factory=CacheStats)
+    #: Called with the blocks each eviction took, before they are forgotten (the
+    #: engine demotes them to its host tier); in eviction order, leaves first.
+    on_evicted: Callable[[list[EvictedBlock]], object] | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -101,8 +119,7 @@ class PrefixCache:
         self._candidates: list[tuple[int, Block]] = []  # (last_used, block), lazily pruned
         self._num_idle = 0
         self._clock = 0
-        self._events: list[KVEvent] = []  # the last max_events to 2 * max_events events
-        self._next_seq = 1
+        self.events = EventLog(self.max_events)
 
     # ----------------------------------------------------------------- queries
 
@@ -152,15 +169,14 @@ class PrefixCache:
 
     @property
     def last_event_seq(self) -> int:
-        return self._next_seq - 1
+        return self.events.last_seq
 
     def events_since(self, seq: int) -> tuple[list[KVEvent], bool]:
         """Events with a sequence number above ``seq``, and whether any were lost.
 
         Lost events (the log holds ``max_events``) mean the consumer must resync.
         """
-        first = self._next_seq - len(self._events)
-        return self._events[max(seq + 1 - first, 0) :], seq + 1 < first
+        return self.events.since(seq)
 
     # ---------------------------------------------------------------- commands
 
@@ -229,7 +245,8 @@ class PrefixCache:
         if stored:
             self.stats.stored_blocks += len(stored)
             first = block_table[start - 1] if start else None
-            self._log("stored", tuple(stored), first.block_hash if first else None, tuple(depths))
+            parent_hash = first.block_hash if first else None
+            self.events.append("stored", tuple(stored), parent_hash, tuple(depths))
         return stop - start
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -258,7 +275,7 @@ class PrefixCache:
         self._candidates.clear()
         self._num_idle = 0
         self.stats = CacheStats()
-        self._log("cleared")
+        self.events.append("cleared")
         return True
 
     # ---------------------------------------------------------------- internals
@@ -277,6 +294,7 @@ class PrefixCache:
     def _evict(self, num_blocks: int) -> None:
         removed: list[int] = []
         depths: list[int] = []
+        evicted: list[EvictedBlock] | None = [] if self.on_evicted else None
         candidates = self._candidates
         victim: Block | None = None
         while len(removed) < num_blocks:
@@ -288,6 +306,10 @@ class PrefixCache:
             block_hash, parent = victim.block_hash, victim.parent
             removed.append(block_hash)  # type: ignore[arg-type]  # evictable means cached
             depths.append(victim.depth)
+            if evicted is not None:
+                parent_hash = parent.block_hash if parent is not None else None
+                record = (block_hash, parent_hash, victim.token_bytes, victim.depth)
+                evicted.append(EvictedBlock(*record))  # type: ignore[arg-type]
             del self._cached[block_hash]  # type: ignore[arg-type]
             victim.block_hash, victim.parent, victim.token_bytes = None, None, b""
             self._num_idle -= 1
@@ -305,23 +327,13 @@ class PrefixCache:
         if victim is not None:
             self._make_candidate(victim)  # the chain went on past what was needed
         self.stats.evictions += len(removed)
-        self._log("removed", tuple(removed), None, tuple(depths))
+        self.events.append("removed", tuple(removed), None, tuple(depths))
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
 
     @staticmethod
     def _forget(block: Block) -> None:
         block.block_hash, block.parent, block.num_children, block.token_bytes = None, None, 0, b""
-
-    def _log(
-        self,
-        kind: EventKind,
-        hashes: tuple[int, ...] = (),
-        parent: int | None = None,
-        depths: tuple[int, ...] = (),
-    ) -> None:
-        self._events.append(KVEvent(self._next_seq, kind, hashes, parent, depths))
-        self._next_seq += 1
-        if len(self._events) >= 2 * self.max_events:
-            del self._events[: self.max_events]  # amortised O(1) per event
 
     # ---------------------------------------------------------------- checking
 

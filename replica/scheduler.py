@@ -6,16 +6,23 @@ takes one token, an unfinished prefill takes the rest of its prompt up to the bu
 preempted (its blocks freed, to be recomputed later, where it may hit the cache).
 Then waiting requests are admitted first come, first served, each starting after its
 longest cached prefix, while the budget, the blocks and the cap on running requests
-allow.
+allow. A prefix cached on the GPU is pinned; where it ends, a run of blocks held by
+the host tier is loaded back (copied into new GPU blocks, registered at once) when the
+cost model says loading beats recomputing it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from replica.host_cache import HostCache
 from replica.prefix_cache import Block, PrefixCache
 from replica.sequence import FinishReason, Sequence, Status
+
+#: (host tokens, cached tokens before them, tokens to compute after them) -> load them?
+LoadPolicy = Callable[[int, int, int], bool]
 
 
 @dataclass(frozen=True)
@@ -37,12 +44,22 @@ class ScheduledChunk:
     seq: Sequence
     num_computed: int
     num_tokens: int
+    #: Of ``num_computed``, the tokens loaded from the host tier for this step.
+    loaded_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: PrefixCache,
+        host: HostCache | None = None,
+        should_load: LoadPolicy = lambda host_tokens, computed, remaining: True,
+    ) -> None:
         self.config = config
         self.cache = cache
+        self.host = host
+        self.should_load = should_load
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -85,8 +102,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self._match(seq)
-            num_computed = len(hits) * self.cache.block_size
+            token_bytes = bytes(seq.token_bytes)
+            hits = self._match(seq, token_bytes)
+            loaded = self._host_run(seq, token_bytes, len(hits))
+            num_computed = (len(hits) + loaded) * self.cache.block_size
             num_tokens = min(seq.num_tokens - num_computed, budget)
             num_new_blocks = self._blocks_for(num_computed + num_tokens) - len(hits)
             idle_hits = sum(block.ref_count == 0 for block in hits)  # hits stop being reclaimable
@@ -95,29 +114,62 @@ class Scheduler:
             self.waiting.popleft()
             self.cache.acquire(hits)
             seq.block_table = hits + self.cache.allocate(num_new_blocks)
-            seq.num_cached_blocks = len(hits)
+            if loaded:  # the copies hold the KV now: cache them, as computed blocks
+                stop = len(hits) + loaded
+                self.cache.cache_blocks(
+                    seq.block_table, len(hits), stop, seq.block_hashes, seq.token_bytes
+                )
+                assert self.host is not None
+                self.host.note_loaded(loaded)
+            seq.num_cached_blocks = len(hits) + loaded
             seq.num_computed_tokens = num_computed
-            self._record_query(seq, num_computed)
+            loaded_tokens = loaded * self.cache.block_size
+            self._record_query(seq, num_computed, loaded_tokens)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, num_computed, num_tokens))
+            chunks.append(ScheduledChunk(seq, num_computed, num_tokens, loaded_tokens))
             budget -= num_tokens
         return chunks
 
-    def _match(self, seq: Sequence) -> list[Block]:
-        """Leading cached blocks, leaving at least one token to compute (it yields logits)."""
-        max_blocks = (seq.num_tokens - 1) // self.cache.block_size
-        return self.cache.match(seq.block_hashes[:max_blocks], bytes(seq.token_bytes))
+    def _max_blocks(self, seq: Sequence) -> int:
+        """Blocks a prompt may take from the caches: at least one token is computed
+        (it yields the logits of the first new token)."""
+        return (seq.num_tokens - 1) // self.cache.block_size
 
-    def _record_query(self, seq: Sequence, num_cached: int) -> None:
+    def _match(self, seq: Sequence, token_bytes: bytes) -> list[Block]:
+        """Leading blocks cached on the GPU."""
+        return self.cache.match(seq.block_hashes[: self._max_blocks(seq)], token_bytes)
+
+    def _host_run(self, seq: Sequence, token_bytes: bytes, start: int) -> int:
+        """How many blocks from ``start`` to load from the host tier (0: recompute them)."""
+        if self.host is None:
+            return 0
+        hashes = seq.block_hashes[: self._max_blocks(seq)]
+        run = self.host.match(hashes, token_bytes, start)
+        for index in range(start, start + run):  # the GPU holds it with other tokens
+            if self.cache.lookup(hashes[index]) is not None:
+                run = index - start
+                break
+        size = self.cache.block_size
+        computed = start * size
+        if run and self.should_load(run * size, computed, seq.num_tokens - computed - run * size):
+            return run
+        return 0
+
+    def _record_query(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
+        """Count a request's prompt once, not again when it resumes from preemption:
+        its cached tokens from both tiers, those loaded from the host among them."""
         if seq.num_cached_prompt_tokens is not None:
-            return  # count each request once, not again when it resumes from preemption
+            return
         seq.num_cached_prompt_tokens = num_cached
         stats = self.cache.stats
+        size = self.cache.block_size
         stats.query_tokens += seq.num_prompt_tokens
         stats.hit_tokens += num_cached
-        stats.query_blocks += seq.num_prompt_tokens // self.cache.block_size
-        stats.hit_blocks += num_cached // self.cache.block_size
+        stats.query_blocks += seq.num_prompt_tokens // size
+        stats.hit_blocks += num_cached // size
+        stats.host_hit_tokens += num_loaded
+        stats.host_hit_blocks += num_loaded // size
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.cache.block_size)

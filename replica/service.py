@@ -96,7 +96,8 @@ class Replica:
         )
 
     def _cache_figures(self) -> CacheFigures:
-        cache, stats = self.engine.cache, self.engine.cache_stats
+        engine = self.engine
+        cache, stats, host = engine.cache, engine.cache_stats, engine.host
         return CacheFigures(
             query_tokens=stats.query_tokens,
             hit_tokens=stats.hit_tokens,
@@ -109,4 +110,10 @@ class Replica:
             usage=cache.usage,
             token_hit_rate=stats.token_hit_rate if stats.query_tokens else None,
             block_hit_rate=stats.block_hit_rate if stats.query_blocks else None,
+            host_hit_tokens=stats.host_hit_tokens,
+            host_num_blocks=host.num_blocks if host else 0,
+            host_cached_blocks=len(host) if host else 0,
+            host_evictions=host.stats.evictions if host else 0,
+            bytes_to_host=engine.bytes_to_host,
+            bytes_to_gpu=engine.bytes_to_gpu,
         )

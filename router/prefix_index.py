@@ -13,7 +13,9 @@ Two sources of knowledge, each a :class:`ReplicaSets`:
   replica's capacity, and entries older than a TTL are forgotten.
 - *precise*: the replicas' KV events (stored, removed, cleared) say what they hold.
   Routing decisions of the last few seconds count as well, to cover events that
-  have not arrived yet.
+  have not arrived yet. Events from a replica's host tier (``medium`` CPU) go to a
+  set of their own: :meth:`PrefixIndex.match_host` says how much further than its
+  GPU a replica holds a prompt in host memory.
 
 Memory is bounded by the replicas' total capacity whatever the traffic, and removing
 a replica removes all its entries.
@@ -144,6 +146,7 @@ class PrefixIndex:
         precise = config.mode == "precise"
         self.routed = ReplicaSets(clock, config.recent_s if precise else config.ttl_s)
         self.stored = ReplicaSets(clock) if precise else None
+        self.host = ReplicaSets(clock) if precise else None
 
     # ------------------------------------------------------------- replicas
 
@@ -154,8 +157,8 @@ class PrefixIndex:
         self._bits[replica_id] = bit
         self._all_bits |= 1 << bit
         self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
-        if self.stored is not None:
-            self.stored.add_replica(bit, None)
+        for sets in self._event_sets:
+            sets.add_replica(bit, None)
 
     def remove_replica(self, replica_id: str) -> None:
         bit = self._bits.pop(replica_id, None)
@@ -163,8 +166,12 @@ class PrefixIndex:
             return
         self._all_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
-        if self.stored is not None:
-            self.stored.remove_replica(bit)
+        for sets in self._event_sets:
+            sets.remove_replica(bit)
+
+    @property
+    def _event_sets(self) -> list[ReplicaSets]:
+        return [s for s in (self.stored, self.host) if s is not None]
 
     @property
     def replicas(self) -> list[str]:
@@ -175,7 +182,7 @@ class PrefixIndex:
 
     def num_entries(self, replica_id: str | None = None) -> int:
         """Identities known (for one replica, or in all), for the memory bound."""
-        sets = [s for s in (self.routed, self.stored) if s is not None]
+        sets = [self.routed, *self._event_sets]
         if replica_id is None:
             return sum(len(s) for s in sets)
         bit = self._bits.get(replica_id)
@@ -227,6 +234,22 @@ class PrefixIndex:
             if depth_of_bit.get(bit)
         }
 
+    def match_host(self, stride_hashes: Sequence[int], gpu: dict[str, int]) -> dict[str, int]:
+        """Tokens each replica holds in host memory beyond the ``gpu`` tokens it holds on
+        the GPU (as :meth:`match` answered), in a row; replicas with none left out."""
+        host = self.host
+        if host is None or not len(host):
+            return {}
+        holders, stride_tokens, extra = host.holders, self.stride_tokens, {}
+        for replica, bit in self._bits.items():
+            start = depth = gpu.get(replica, 0) // stride_tokens
+            mask = 1 << bit
+            while depth < len(stride_hashes) and holders.get(stride_hashes[depth], 0) & mask:
+                depth += 1
+            if depth > start:
+                extra[replica] = (depth - start) * stride_tokens
+        return extra
+
     # --------------------------------------------------------------- updates
 
     def record_routing(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
@@ -238,15 +261,17 @@ class PrefixIndex:
     def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> None:
         """Precise mode: mirror a replica's stored / removed / cleared blocks."""
         bit = self._bits.get(replica_id)
-        if bit is None or self.stored is None:
+        if bit is None or self.stored is None or self.host is None:
             return
         for event in events:
+            sets = self.host if event.medium == "CPU" else self.stored
             if event.kind == "stored":
-                self.stored.add(bit, self._indexed(event))
+                sets.add(bit, self._indexed(event))
             elif event.kind == "removed":
-                self.stored.discard(bit, self._indexed(event))
-            else:
+                sets.discard(bit, self._indexed(event))
+            else:  # both tiers emptied
                 self.stored.clear(bit)
+                self.host.clear(bit)
                 self.routed.clear(bit)
 
     def _indexed(self, event: KVEvent) -> Sequence[int]:

@@ -29,6 +29,10 @@ class ReplicaConfig:
     #: Simulated GPU time runs this many times faster than the wall clock.
     speedup: float = 1.0
     seed: int = 0
+    #: Blocks of the host-memory KV tier under the GPU's (0: none), and the GPU's link
+    #: to it (``pcie4``, ``pcie5``; empty: the profile's).
+    host_blocks: int = 0
+    host_link: str = ""
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:

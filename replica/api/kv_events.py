@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import TypeAdapter
 
 EventKind = Literal["stored", "removed", "cleared"]
+#: Where a block lives, as vLLM's ``BlockStored.medium`` says: GPU memory or the host's.
+Medium = Literal["GPU", "CPU"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,9 @@ class KVEvent:
     in the order given; ``removed`` blocks are gone; ``cleared`` forgets everything.
     ``block_depths`` (ours; empty from engines that do not send it) gives each
     block's position in its prompt, so a router that indexes only every k-th block
-    boundary can ignore the others.
+    boundary can ignore the others. ``medium`` says which tier the change happened
+    in: a block evicted from the GPU and kept in host memory is ``removed`` on the
+    GPU and ``stored`` on the CPU; ``cleared`` empties both.
     """
 
     seq: int
@@ -33,6 +37,7 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None
     block_depths: tuple[int, ...] = ()
+    medium: Medium = "GPU"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CacheFigures:
     """The prefix cache since the last reset: queries and hits in prompt tokens and in
-    full prompt blocks, blocks stored and evicted, and how full it is now."""
+    full prompt blocks, blocks stored and evicted, and how full it is now. Hits count
+    both tiers (as vLLM's ``cached_tokens`` does); ``host_hit_tokens`` of them were
+    loaded from the host tier."""
 
     query_tokens: int
     hit_tokens: int
@@ -37,6 +39,13 @@ class CacheFigures:
     #: Hits over queries; ``None`` before the first query.
     token_hit_rate: float | None
     block_hit_rate: float | None
+    #: The host tier (all zero without one) and the KV bytes moved each way.
+    host_hit_tokens: int = 0
+    host_num_blocks: int = 0
+    host_cached_blocks: int = 0
+    host_evictions: int = 0
+    bytes_to_host: int = 0
+    bytes_to_gpu: int = 0
 
 
 @dataclass(frozen=True)

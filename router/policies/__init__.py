@@ -21,7 +21,7 @@ from router.policies.baselines import (
     rendezvous,
     rendezvous_key,
 )
-from router.policies.cache_aware import CacheAware, CacheAwareApproximate
+from router.policies.cache_aware import CacheAware, CacheAwareApproximate, CacheAwareTierBlind
 from router.policies.sglang import SGLangCacheAware
 
 __all__ = [
@@ -46,6 +46,7 @@ POLICIES: dict[str, type[Policy]] = {
         ConsistentHash,
         SGLangCacheAware,
         CacheAware,
+        CacheAwareTierBlind,
         CacheAwareApproximate,
     )
 }

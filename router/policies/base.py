@@ -81,6 +81,11 @@ class PolicyConfig:
     #: cache_aware: a prefix is popular once this many recent requests passed through
     #: it (more than the turns of most conversations).
     popular_requests: int = 16
+    #: cache_aware: what a token held in a replica's host tier costs, in prefill tokens:
+    #: loading its KV over PCIe against computing it. Llama-3-8B moves 128 KiB a token,
+    #: 2.6 us at 50 GB/s (PCIe 5) against 23 us of prefill on an H100 (0.11), 5.2 us at
+    #: 25 GB/s (PCIe 4) against 74 us on an A100 (0.07): see replica/cost_model.py.
+    host_token_cost: float = 0.1
     #: cache_aware: a cold prefix may go to any replica within this much work of the
     #: least loaded; among them the rendezvous choice wins, so routers agree.
     cold_slack_tokens: float = 512.0
@@ -108,6 +113,8 @@ class PolicyConfig:
             raise ValueError("cache_threshold must lie in [0, 1]")
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
             raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
+        if self.host_token_cost < 0:
+            raise ValueError("host_token_cost must not be negative")
         if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
             raise ValueError("recompute_weight and private_recompute_weight must be positive")
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:

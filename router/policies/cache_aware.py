@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -18,6 +19,7 @@ class CacheAware(IndexedPolicy):
 
     cost(replica) = recompute_weight x uncached tokens of a popular prefix there
                   + private_recompute_weight x the request's other uncached tokens
+                  + host_token_cost x tokens it holds in its host tier only
                   + its outstanding prefill tokens
                   + running_request_tokens x its outstanding requests
                   + overflow_tokens x its outstanding requests beyond the load bound
@@ -36,9 +38,16 @@ class CacheAware(IndexedPolicy):
     all requests at once (SGLang's fleet-wide imbalance switch does that). A prefix
     cached nowhere goes to the rendezvous choice among the near-least-loaded
     replicas, so independent routers send the same new prefix to the same place.
+
+    A token held in a replica's host tier (learned from its KV events) costs its load
+    over PCIe, a tenth of computing it by default: a GPU hit is preferred to a host
+    hit, and a host hit to a miss.
     """
 
     name = "cache_aware"
+    #: Whether tokens in a replica's host tier count as held (the tier-blind variant
+    #: counts them as misses, as a router that follows only GPU evictions would).
+    tier_aware: ClassVar[bool] = True
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         super().__init__(config, clock, rng)
@@ -46,9 +55,10 @@ class CacheAware(IndexedPolicy):
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         matched = self._matches(request, replicas)
+        host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self._popular_tokens(request)
         loads = self._loads(replicas)
-        if not any(matched.values()):
+        if not host and not any(matched.values()):
             request.predicted_cached_tokens = 0
             ceiling = min(loads) + self.config.cold_slack_tokens
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
@@ -58,16 +68,24 @@ class CacheAware(IndexedPolicy):
         costs = [
             load
             + (
-                self._recompute_cost(prompt, popular, matched[r.replica_id])
-                if r.replica_id in matched
+                self._held_cost(
+                    prompt, popular, matched.get(r.replica_id, 0), host.get(r.replica_id, 0)
+                )
+                if r.replica_id in matched or r.replica_id in host
                 else nothing_cached
             )
             for r, load in zip(replicas, loads, strict=True)
         ]
         best = min(costs)
         chosen = self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
-        request.predicted_cached_tokens = matched.get(chosen.replica_id, 0)
+        held = matched.get(chosen.replica_id, 0) + host.get(chosen.replica_id, 0)
+        request.predicted_cached_tokens = held  # the engine reports host hits as cached
         return chosen
+
+    def _held_cost(self, prompt: int, popular: int, gpu: int, host: int) -> float:
+        """The work of a replica holding ``gpu`` leading tokens, then ``host`` more."""
+        loading = self.config.host_token_cost * host if host else 0.0
+        return self._recompute_cost(prompt, popular, gpu + host) + loading
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         super().on_dispatch(request, replica)
@@ -97,6 +115,14 @@ class CacheAware(IndexedPolicy):
             queued = replica.outstanding_prefill_tokens + per_request * held
             loads.append(queued + overflow * excess if excess > 0 else queued)
         return loads
+
+
+class CacheAwareTierBlind(CacheAware):
+    """``cache_aware`` that counts a replica's host-tier tokens as misses: the baseline
+    that shows what knowing the tiers buys."""
+
+    name = "cache_aware_tier_blind"
+    tier_aware = False
 
 
 class CacheAwareApproximate(CacheAware):

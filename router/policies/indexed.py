@@ -45,6 +45,17 @@ class IndexedPolicy(Policy):
     def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
         """Cached tokens of the replicas that hold any (absent: none)."""
         matched = self.index.match(request.stride_hashes)
-        # The engine always computes at least the last prompt token.
-        limit = (request.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        limit = self._limit(request)
         return {replica: min(tokens, limit) for replica, tokens in matched.items()}
+
+    def _host_matches(self, request: RoutingRequest, gpu: dict[str, int]) -> dict[str, int]:
+        """Tokens each replica holds in its host tier beyond its ``gpu`` ones."""
+        extra = self.index.match_host(request.stride_hashes, gpu)
+        limit = self._limit(request)
+        held = {r: min(tokens, limit - gpu.get(r, 0)) for r, tokens in extra.items()}
+        return {r: tokens for r, tokens in held.items() if tokens > 0}
+
+    def _limit(self, request: RoutingRequest) -> int:
+        """The engine always computes at least the last prompt token."""
+        block = self.config.block_size
+        return (request.num_prompt_tokens - 1) // block * block

@@ -227,14 +227,12 @@ class ReferenceCache:
 
 
 prompts = st.lists(st.integers(0, 2), min_size=1, max_size=5)
-operations = st.lists(
-    st.one_of(
-        st.tuples(st.just("admit"), prompts),
-        st.tuples(st.just("release"), st.integers(0, 10)),
-        st.tuples(st.just("evict"), st.integers(1, 4)),
-    ),
-    max_size=60,
+operation = st.one_of(
+    st.tuples(st.just("admit"), prompts),
+    st.tuples(st.just("release"), st.integers(0, 10)),
+    st.tuples(st.just("evict"), st.integers(1, 4)),
 )
+operations = st.lists(operation, max_size=60)
 
 
 @settings(max_examples=300, deadline=None)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.kv_events import KVEvent
 from router import load
 from router.policies import (
     POLICIES,
@@ -47,7 +48,7 @@ def complete(pol, req: RoutingRequest, replica: ReplicaState) -> None:
 def test_every_policy_is_registered_by_name():
     assert set(POLICIES) >= {
         "round_robin", "random", "least_loaded", "power_of_two", "consistent_hash",
-        "sglang_cache_aware", "cache_aware", "cache_aware_approx",
+        "sglang_cache_aware", "cache_aware", "cache_aware_approx", "cache_aware_tier_blind",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown policy"):
         policy("fastest")
@@ -224,3 +225,41 @@ def test_sglang_cache_aware_uses_sglang_defaults():
         64,
         1.5,
     )
+
+
+def held_events(tokens: np.ndarray, medium: str, seq: int = 1) -> list[KVEvent]:
+    """What a replica publishes when it holds ``tokens`` in one tier (16-token blocks)."""
+    hashes = tuple(block_hashes(tokens, 16, SEED))
+    return [KVEvent(seq, "stored", hashes, None, tuple(range(len(hashes))), medium)]
+
+
+def test_cache_aware_prefers_a_gpu_hit_then_a_host_hit_then_a_miss():
+    history = prompt(2048)
+    follow_up = request(np.concatenate((history, prompt(40, 90_000))))
+    replicas, pol = fleet(3), policy("cache_aware")
+    for replica in replicas:
+        pol.on_replica_added(replica)
+    pol.on_kv_events(replicas[1], held_events(history, "CPU"))
+    pol.on_kv_events(replicas[2], held_events(history[:1024], "GPU"))
+    pol.on_kv_events(replicas[2], held_events(history, "CPU", seq=2))  # the rest on its host
+    # Every replica idle: the one with half on its GPU and the rest on its host wins,
+    # then the one with all of it on its host, never the one that would recompute.
+    assert pol.choose(follow_up, replicas) is replicas[2]
+    assert follow_up.predicted_cached_tokens == 2048  # the engine counts host hits as cached
+    assert pol.choose(follow_up, replicas[:2]) is replicas[1]
+    assert follow_up.predicted_cached_tokens == 2048
+    # A GPU hit beats a host hit of the same length.
+    pol.on_kv_events(replicas[0], held_events(history, "GPU", seq=3))
+    assert pol.choose(follow_up, replicas) is replicas[0]
+
+
+def test_the_tier_blind_variant_counts_host_tokens_as_misses():
+    history = prompt(2048)
+    follow_up = request(np.concatenate((history, prompt(40, 90_000))))
+    replicas = fleet(3)
+    blind = policy("cache_aware_tier_blind")
+    for replica in replicas:
+        blind.on_replica_added(replica)
+    blind.on_kv_events(replicas[1], held_events(history, "CPU"))
+    blind.choose(follow_up, replicas)
+    assert follow_up.predicted_cached_tokens == 0  # it sees nothing held anywhere

@@ -166,3 +166,31 @@ def test_popularity_counts_recent_requests_per_prefix_and_forgets_by_halving():
         popularity.record([10_000 + i])
     assert len(popularity) < 200
     assert popularity.depth(shared, threshold=5) == 0  # and old popularity fades
+
+
+def test_host_tier_events_say_how_much_further_a_replica_holds_a_prompt():
+    """A real engine with a host tier: its GPU evicts the prompt's tail to the host; the
+    index follows both tiers from the events and never confuses them."""
+    index = make_index("precise")
+    engine = Engine(EngineConfig(num_blocks=48, block_size=BLOCK, host_blocks=256))
+    engine.add_request(EngineRequest("r", prompt(700), 1))
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request(EngineRequest("s", prompt(400, 50_000), 1))  # needs 26 of 48 blocks
+    while engine.has_unfinished:
+        engine.step()
+    events, _ = engine.cache.events_since(0)
+    assert {e.medium for e in events} == {"GPU", "CPU"}
+    index.apply_events("b", events)
+    hashes = stride_hashes(prompt(1000))
+    gpu = index.match(hashes)
+    on_gpu = len(
+        engine.cache.match(block_hashes(prompt(1000), BLOCK, SEED), prompt(1000).tobytes())
+    )
+    assert gpu.get("b", 0) == on_gpu // STRIDE * BLOCK * STRIDE < 640
+    extra = index.match_host(hashes, gpu)
+    assert gpu.get("b", 0) + extra["b"] == 640  # the rest of the prompt, in host memory
+    assert "a" not in extra and "c" not in extra
+    assert engine.reset_cache()
+    index.apply_events("b", engine.cache.events_since(events[-1].seq)[0])
+    assert index.match_host(hashes, {}) == {} and index.num_entries("b") == 0
