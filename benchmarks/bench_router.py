@@ -62,7 +62,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
 
 def bench_trace(policies: list[str], replicas: int) -> None:
     workload = load_workload(f"trace:{TRACE}")
-    config = ReplayConfig(replicas=replicas, capacity_blocks=26_000)
+    config = ReplayConfig(replicas=replicas, capacity_blocks=26_000, host_blocks=0)
     for policy in policies:
         start = time.perf_counter()
         row = replay_row(replay(workload, config, policy))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -32,18 +33,18 @@ def add_config_flags(
     (for Locust's configargparse parser) each flag also reads ``ENV_PREFIX_NAME``.
     """
     group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
-    for field, default in _scalar_fields(cls, skip):
+    for field, default, kind in _scalar_fields(cls, skip):
         flag = f"--{prefix}{field.name.replace('_', '-')}"
         dest = _dest(prefix, field.name)
         extra: dict[str, Any] = {}
         if env_prefix is not None:
             extra["env_var"] = f"{env_prefix}{field.name}".upper()
-        if isinstance(default, bool):
+        if kind is bool:
             action: Any = argparse.BooleanOptionalAction
             group.add_argument(flag, dest=dest, action=action, default=None, **extra)
         else:
-            kind = type(default)
-            metavar, text = kind.__name__.upper(), f"default: {default}"
+            text = f"default: {default if default is not None else _default_text(field)}"
+            metavar = kind.__name__.upper()
             group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=text, **extra)
 
 
@@ -92,8 +93,11 @@ def config_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
     return flags
 
 
-def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses.Field, Any]]:
-    """Each field that takes a flag, with its default, nested configs' fields in place."""
+def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses.Field, Any, type]]:
+    """Each field that takes a flag, with its default and type, nested configs' fields
+    in place. A field that defaults to ``None`` (``int | None``: "derived unless given")
+    takes a flag of its other type."""
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip or not field.metadata.get("flag", True):
             continue
@@ -101,7 +105,15 @@ def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses
         if nested is not None:
             yield from _scalar_fields(nested, skip)
         elif isinstance(field.default, SCALARS):
-            yield field, field.default
+            yield field, field.default, type(field.default)
+        elif field.default is None:
+            kinds = [k for k in typing.get_args(hints[field.name]) if k in SCALARS]
+            if len(kinds) == 1:
+                yield field, None, kinds[0]
+
+
+def _default_text(field: dataclasses.Field) -> str:
+    return str(field.metadata.get("derived", "derived"))
 
 
 def _nested_type(field: dataclasses.Field) -> type | None:

@@ -59,6 +59,9 @@ BENCH_CHAT: dict[str, Any] = {
 #: Blocks per replica in the embedded deployment: 16k tokens, room for the four
 #: system prompts and a few dozen live sessions, not for every session everywhere.
 BENCH_REPLICA_BLOCKS = 1024
+#: The host tier under each: none by default, so the demo measures routing alone
+#: (``--replica-host-blocks N`` adds one).
+BENCH_HOST_BLOCKS = 0
 #: A live hit rate further than this from the replay's prediction is flagged.
 REPLAY_TOLERANCE = 0.05
 

@@ -13,7 +13,6 @@ from typing import Any
 from deploy.flags import add_config_flags, config_flags, config_overrides
 from loadtest import bench, plots
 from loadtest.bench import BenchConfig
-from loadtest.replay import TRACE_CAPACITY_BLOCKS
 from loadtest.report import Row, command_line, format_table, version, write_json
 from loadtest.workloads import ChatConfig
 from replica.api.config import ReplicaConfig
@@ -135,12 +134,12 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 
 
 def _replica_flags(args: argparse.Namespace) -> list[str]:
-    """The ``serve`` flags for the embedded replicas: the user's, else the bench's sizes."""
+    """The ``serve`` flags for the embedded replicas: the user's, else the bench's sizes
+    for its chat workload (traces get what the profile's hardware holds)."""
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
-    chat = args.workload == "chat"
-    overrides.setdefault(
-        "num_blocks", bench.BENCH_REPLICA_BLOCKS if chat else TRACE_CAPACITY_BLOCKS
-    )
+    if args.workload == "chat":
+        overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)
+        overrides.setdefault("host_blocks", bench.BENCH_HOST_BLOCKS)
     return config_flags(overrides, prefix="replica-")
 
 

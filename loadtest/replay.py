@@ -19,22 +19,20 @@ import numpy as np
 from loadtest.workloads import Workload
 from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed
-from replica.engine import Engine, EngineConfig, EngineRequest, SchedulerConfig, StepResult
+from replica.engine import Engine, EngineConfig, EngineRequest, StepResult
 from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
-
-#: A replica of the trace: Llama-3-8B on an 80 GB H100 keeps about 420k tokens of KV
-#: (80 GB x 0.9 - 16 GB of weights, at 128 KiB per token), 26k blocks of 16.
-TRACE_CAPACITY_BLOCKS = 26_000
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """One simulated fleet. Every replica gets ``capacity_blocks`` KV blocks."""
+    """One simulated fleet. Every replica gets ``capacity_blocks`` GPU KV blocks and
+    ``host_blocks`` in host memory; left out, both are what the profile's hardware holds
+    (as for a live replica: one function derives them, ``EngineConfig.for_replica``)."""
 
     replicas: int = 4
-    #: KV blocks per replica; the rest of a replica's shape defaults as a live one's.
-    capacity_blocks: int = ReplicaConfig.num_blocks
+    #: GPU KV blocks per replica; the rest of a replica's shape defaults as a live one's.
+    capacity_blocks: int | None = field(default=None, metadata={"derived": "the profile's GPUs"})
     profile: str = ReplicaConfig.profile
     max_num_seqs: int = ReplicaConfig.max_num_seqs
     max_num_batched_tokens: int = ReplicaConfig.max_num_batched_tokens
@@ -48,40 +46,51 @@ class ReplayConfig:
     #: Each engine computes this many times faster than its profile's GPU.
     compute_scale: float = 1.0
     #: Host-memory KV blocks under each replica's GPU blocks (0: none), and their link.
-    host_blocks: int = ReplicaConfig.host_blocks
+    host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
     host_link: str = ReplicaConfig.host_link
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.capacity_blocks < 1:
-            raise ValueError("replicas and capacity_blocks must be positive")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be positive, got {self.replicas}")
+        self.engine_config()  # checks the replicas' shape
 
     @property
     def block_size(self) -> int:
         """The engines' block size, which the router hashes by: one figure for both."""
         return self.routing.block_size
 
-    def engine_config(self) -> EngineConfig:
-        scheduler = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
-        return EngineConfig(
-            self.model,
-            self.capacity_blocks,
-            self.block_size,
-            self.profile,
-            scheduler,
-            compute_scale=self.compute_scale,
+    def replica_config(self) -> ReplicaConfig:
+        """Each replica, as a live one would be configured."""
+        return ReplicaConfig(
+            model=self.model,
+            num_blocks=self.capacity_blocks,
+            block_size=self.block_size,
+            profile=self.profile,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             seed=self.seed,
             host_blocks=self.host_blocks,
             host_link=self.host_link,
         )
 
+    def engine_config(self) -> EngineConfig:
+        engine = EngineConfig.for_replica(self.replica_config())
+        return replace(engine, compute_scale=self.compute_scale)
+
+    def resolved(self) -> ReplayConfig:
+        """This fleet with its capacities made concrete."""
+        engine = self.engine_config()
+        return replace(self, capacity_blocks=engine.num_blocks, host_blocks=engine.host_blocks)
+
     def pooled(self) -> ReplayConfig:
         """One engine with the whole fleet's capacity and compute: a single shared cache."""
-        n = self.replicas
+        n, fleet = self.replicas, self.resolved()
+        assert fleet.capacity_blocks is not None and fleet.host_blocks is not None
         return replace(
-            self,
+            fleet,
             replicas=1,
-            capacity_blocks=n * self.capacity_blocks,
-            host_blocks=n * self.host_blocks,
+            capacity_blocks=n * fleet.capacity_blocks,
+            host_blocks=n * fleet.host_blocks,
             max_num_seqs=n * self.max_num_seqs,
             max_num_batched_tokens=n * self.max_num_batched_tokens,
             compute_scale=n * self.compute_scale,
@@ -136,11 +145,12 @@ class Simulation:
         on_request_done: Callable[[], object] | None = None,
     ) -> None:
         self.workload = workload
-        self.config = config
+        self.config = config = config.resolved()
         self.now = 0.0
         self.engines = [Engine(config.engine_config()) for _ in range(config.replicas)]
         self.replicas = [
-            ReplicaState(f"replica-{i}", config.capacity_blocks) for i in range(config.replicas)
+            ReplicaState(f"replica-{i}", config.capacity_blocks or 0)
+            for i in range(config.replicas)
         ]
         self.policy = make_policy(
             policy, lambda: self.now, np.random.default_rng(config.seed), config.routing

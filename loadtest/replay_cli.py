@@ -19,13 +19,7 @@ from tqdm import tqdm
 
 from deploy.flags import add_config_flags, config_overrides, with_overrides
 from loadtest import plots
-from loadtest.replay import (
-    TRACE_CAPACITY_BLOCKS,
-    ReplayConfig,
-    ReplayResult,
-    infinite_cache_bound,
-    replay,
-)
+from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
     Row,
     command_line,
@@ -108,10 +102,7 @@ def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int]]:
 
 
 def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
-    overrides = config_overrides(args, ReplayConfig)
-    if args.workload.startswith("trace:"):
-        overrides.setdefault("capacity_blocks", TRACE_CAPACITY_BLOCKS)
-    base = with_overrides(ReplayConfig(), overrides)
+    base = with_overrides(ReplayConfig(), config_overrides(args, ReplayConfig))
     key, values = _sweep(args)
     if key is None:
         return None, [base]

@@ -103,6 +103,9 @@ class CostProfile:
     #: default 0.9), it sets how many KV blocks the GPUs hold.
     gpu_memory_bytes: float = 80e9
     gpu_memory_utilization: float = 0.9
+    #: Host memory per GPU given to the KV tier by default: a DGX H100 has 2 TB of system
+    #: memory for 8 GPUs (NVIDIA DGX H100 datasheet), a DGX A100 1 TB.
+    host_memory_bytes: float = 256e9
 
     def __post_init__(self) -> None:
         if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
@@ -146,6 +149,10 @@ class CostProfile:
         """KV blocks the profile's GPUs hold after the weights (as vLLM sizes its pool)."""
         usable = self.num_gpus * self.gpu_memory_bytes * self.gpu_memory_utilization
         return int((usable - self.weight_bytes) // (self.kv_bytes_per_token * block_size))
+
+    def host_blocks(self, block_size: int) -> int:
+        """KV blocks the profile's typical host memory holds."""
+        return int(self.num_gpus * self.host_memory_bytes // (self.kv_bytes_per_token * block_size))
 
     def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
         """Durations of ``num_steps`` decode-only steps; every step adds a token per sequence."""
@@ -212,6 +219,7 @@ LLAMA3_8B_A100 = CostProfile(
     step_overhead_s=1.0e-3,
     seq_overhead_s=20e-6,
     host_link=PCIE4,
+    host_memory_bytes=128e9,
 )
 
 # Llama-3-70B on 4 H100s with tensor parallelism: 80 layers, hidden 8192, 8 KV heads

@@ -71,16 +71,22 @@ class EngineConfig:
 
     @classmethod
     def for_replica(cls, replica: ReplicaConfig) -> EngineConfig:
-        """The engine of a replica; raises ``ValueError`` naming what is wrong with it."""
+        """The engine of a replica, its capacities derived from its profile where the
+        replica leaves them out; raises ``ValueError`` naming what is wrong with it."""
         scheduler = SchedulerConfig(replica.max_num_batched_tokens, replica.max_num_seqs)
+        profile = get_profile(replica.profile)
         return cls(
             replica.model,
-            replica.num_blocks,
+            replica.num_blocks or profile.kv_blocks(replica.block_size),
             replica.block_size,
             replica.profile,
             scheduler,
             seed=replica.seed,
-            host_blocks=replica.host_blocks,
+            host_blocks=(
+                profile.host_blocks(replica.block_size)
+                if replica.host_blocks is None
+                else replica.host_blocks
+            ),
             host_link=replica.host_link,
         )
 

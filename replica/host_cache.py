@@ -74,17 +74,15 @@ class HostCache:
 
     def match(self, block_hashes: Sequence[int], token_bytes: bytes, start: int) -> int:
         """How many blocks from index ``start`` of the prompt the host holds in a row,
-        with the prompt's tokens; they are marked used (the LRU keeps them)."""
+        with the prompt's tokens. Nothing changes (a waiting request asks every step)."""
         step = self.block_size * TOKEN_DTYPE.itemsize
-        found: list[HostBlock] = []
+        count = 0
         for index in range(start, len(block_hashes)):
             block = self._blocks.get(block_hashes[index])
             if block is None or block.token_bytes != token_bytes[index * step : (index + 1) * step]:
                 break
-            found.append(block)
-        for block in reversed(found):  # leaves older than their parents, as on the GPU
-            self._touch(block)
-        return len(found)
+            count += 1
+        return count
 
     # ---------------------------------------------------------------- commands
 
@@ -107,8 +105,12 @@ class HostCache:
         self.stats.stored_blocks += len(stored)
         return len(stored)
 
-    def note_loaded(self, num_blocks: int) -> None:
-        self.stats.loaded_blocks += num_blocks
+    def loaded(self, block_hashes: Sequence[int]) -> None:
+        """These blocks (a run :meth:`match` found) were copied to the GPU: they were
+        used now, leaves older than their parents, as on the GPU."""
+        for block_hash in reversed(block_hashes):
+            self._touch(self._blocks[block_hash])
+        self.stats.loaded_blocks += len(block_hashes)
 
     def reset(self) -> None:
         """Forget every block (the GPU pool logs the one ``cleared`` for both tiers)."""

@@ -112,15 +112,16 @@ class Scheduler:
             if not self.cache.can_allocate(num_new_blocks + idle_hits):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            stop = len(hits) + loaded
+            if loaded:  # copied first: the allocation below may demote into a full host
+                assert self.host is not None
+                self.host.loaded(seq.block_hashes[len(hits) : stop])
             self.cache.acquire(hits)
             seq.block_table = hits + self.cache.allocate(num_new_blocks)
             if loaded:  # the copies hold the KV now: cache them, as computed blocks
-                stop = len(hits) + loaded
                 self.cache.cache_blocks(
                     seq.block_table, len(hits), stop, seq.block_hashes, seq.token_bytes
                 )
-                assert self.host is not None
-                self.host.note_loaded(loaded)
             seq.num_cached_blocks = len(hits) + loaded
             seq.num_computed_tokens = num_computed
             loaded_tokens = loaded * self.cache.block_size

@@ -8,7 +8,7 @@ is built from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 
@@ -21,7 +21,9 @@ class ReplicaConfig:
     """A replica: its engine's shape and how fast simulated time runs."""
 
     model: str = DEFAULT_MODEL
-    num_blocks: int = 4096
+    #: GPU KV blocks; by default what the profile's GPUs hold after the weights, as
+    #: vLLM sizes its pool (Llama-3-8B on one H100: 26,674 blocks of 16 tokens).
+    num_blocks: int | None = field(default=None, metadata={"derived": "the profile's GPUs"})
     block_size: int = DEFAULT_BLOCK_SIZE
     profile: str = DEFAULT_PROFILE
     max_num_seqs: int = 256
@@ -29,14 +31,18 @@ class ReplicaConfig:
     #: Simulated GPU time runs this many times faster than the wall clock.
     speedup: float = 1.0
     seed: int = 0
-    #: Blocks of the host-memory KV tier under the GPU's (0: none), and the GPU's link
-    #: to it (``pcie4``, ``pcie5``; empty: the profile's).
-    host_blocks: int = 0
+    #: Blocks of the host-memory KV tier under the GPU's; by default what the profile's
+    #: typical host memory holds (256 GB per H100: 122,070 blocks); 0: no host tier.
+    host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
+    #: The GPU's link to host memory (``pcie4``, ``pcie5``; empty: the profile's).
     host_link: str = ""
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.host_blocks is not None and self.host_blocks < 0:
+            raise ValueError(f"host_blocks must not be negative, got {self.host_blocks}")

@@ -16,8 +16,14 @@ POLICY_NAMES = ("round_robin", "power_of_two", "sglang_cache_aware", "cache_awar
 SMALL = ChatConfig(num_sessions=60, session_rate=4.0)
 
 
+def fleet(**config) -> ReplayConfig:
+    """The seed chapter's fleet: 4,096 GPU blocks per replica and no host tier, unless
+    the test says otherwise (defaults follow the hardware: 26,674 and 122,070)."""
+    return ReplayConfig(**{"capacity_blocks": 4096, "host_blocks": 0, **config})
+
+
 def test_the_seed_experiment_lands_near_the_chapters_figures():
-    row = replay_row(replay(chat_workload(), ReplayConfig(replicas=1)))
+    row = replay_row(replay(chat_workload(), fleet(replicas=1)))
     assert row["failures"] == 0 and row["requests"] == chat_workload().num_requests
     # The chapter expects about 80% of blocks and 78% of prefill tokens; the README
     # states what this deterministic replay gives, and so does this test.
@@ -32,9 +38,7 @@ def test_the_seed_experiment_lands_near_the_chapters_figures():
 
 def test_the_capacity_sweep_shows_leaf_only_lru_protecting_the_shared_prefix():
     workload = chat_workload(replace(SMALL, num_apps=1))
-    rows = [
-        replay_row(replay(workload, ReplayConfig(capacity_blocks=c))) for c in (256, 1024, 8192)
-    ]
+    rows = [replay_row(replay(workload, fleet(capacity_blocks=c))) for c in (256, 1024, 8192)]
     hit_rates = [r["token_hit_rate"] for r in rows]
     assert hit_rates == sorted(hit_rates) and hit_rates[0] < hit_rates[-1]
     assert rows[0]["evictions"] > rows[-1]["evictions"]
@@ -44,13 +48,13 @@ def test_the_capacity_sweep_shows_leaf_only_lru_protecting_the_shared_prefix():
 
 
 def test_the_same_seed_reproduces_the_same_report():
-    first = replay_row(replay(chat_workload(SMALL), ReplayConfig()))
-    second = replay_row(replay(chat_workload(SMALL), ReplayConfig()))
+    first = replay_row(replay(chat_workload(SMALL), fleet()))
+    second = replay_row(replay(chat_workload(SMALL), fleet()))
     assert first == second
 
 
 def test_rows_have_the_shared_shape_with_latency_figures():
-    row = replay_row(replay(chat_workload(SMALL), ReplayConfig(replicas=2)))
+    row = replay_row(replay(chat_workload(SMALL), fleet(replicas=2)))
     assert list(row)[: len(ROW_KEYS)] == list(ROW_KEYS)
     assert row["replicas"] == 2 and row["imbalance"] == pytest.approx(1.0, abs=0.05)
     assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"] < row["e2e_p50_s"] * 10
@@ -60,14 +64,14 @@ def test_rows_have_the_shared_shape_with_latency_figures():
 
 def test_closed_loop_users_play_every_session():
     workload = chat_workload(replace(SMALL, arrival="closed", num_users=4))
-    result = replay(workload, ReplayConfig())
+    result = replay(workload, fleet())
     assert len(result.records) == workload.num_requests
     assert all(r.finish_s is not None for r in result.records)
 
 
 def test_a_trace_replays_at_its_timestamps():
     workload = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 40})
-    result = replay(workload, ReplayConfig(capacity_blocks=16384))
+    result = replay(workload, fleet(capacity_blocks=16384))
     row = replay_row(result)
     assert row["requests"] == 40 and row["failures"] == 0
     assert row["token_hit_rate"] > 0  # every request shares hash id 0
@@ -77,7 +81,7 @@ def test_a_trace_replays_at_its_timestamps():
 
 def test_requests_larger_than_the_cache_are_failures_not_crashes():
     workload = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 10})
-    row = replay_row(replay(workload, ReplayConfig(capacity_blocks=256)))
+    row = replay_row(replay(workload, fleet(capacity_blocks=256)))
     assert row["failures"] > 0 and row["requests"] == 10
 
 
@@ -127,7 +131,7 @@ def run_fleet(workload, config, policy):
 
 def test_cache_aware_beats_load_only_and_sglang_routing_on_a_chat_fleet():
     workload = chat_workload(FLEET)
-    config = ReplayConfig(replicas=4, capacity_blocks=1024)
+    config = fleet(replicas=4, capacity_blocks=1024)
     rows = {p: replay_row(run_fleet(workload, config, p)) for p in POLICY_NAMES}
     ours = rows["cache_aware"]
     for other in ("round_robin", "power_of_two", "sglang_cache_aware"):
@@ -140,7 +144,7 @@ def test_cache_aware_beats_load_only_and_sglang_routing_on_a_chat_fleet():
 
 def test_reference_rows_bound_every_policy():
     workload = chat_workload(FLEET)
-    config = ReplayConfig(replicas=4, capacity_blocks=1024)
+    config = fleet(replicas=4, capacity_blocks=1024)
     result = run_fleet(workload, config, "cache_aware")
     bound = infinite_cache_bound(workload, result)
     pooled = replay_row(run_fleet(workload, config.pooled(), "round_robin"))
@@ -151,7 +155,7 @@ def test_reference_rows_bound_every_policy():
 
 def test_the_same_seed_reproduces_a_randomised_policys_report():
     workload = chat_workload(replace(FLEET, num_sessions=60))
-    config = ReplayConfig(replicas=3)
+    config = fleet(replicas=3)
     for policy in ("random", "power_of_two", "cache_aware"):
         assert replay_row(replay(workload, config, policy)) == replay_row(
             replay(workload, config, policy)
@@ -160,7 +164,7 @@ def test_the_same_seed_reproduces_a_randomised_policys_report():
 
 def test_cache_aware_beats_round_robin_on_the_mooncake_trace():
     workload = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 400})
-    config = ReplayConfig(replicas=8, capacity_blocks=26_000)
+    config = fleet(replicas=8, capacity_blocks=26_000)
     rr = replay_row(run_fleet(workload, config, "round_robin"))
     ours = replay_row(run_fleet(workload, config, "cache_aware"))
     assert ours["token_hit_rate"] > rr["token_hit_rate"]
@@ -169,12 +173,8 @@ def test_cache_aware_beats_round_robin_on_the_mooncake_trace():
 
 def test_decode_bursts_change_no_figure():
     workload = chat_workload(replace(FLEET, num_sessions=60))
-    single = replay_row(
-        replay(workload, ReplayConfig(replicas=2, max_burst_steps=1), "cache_aware")
-    )
-    burst = replay_row(
-        replay(workload, ReplayConfig(replicas=2, max_burst_steps=64), "cache_aware")
-    )
+    single = replay_row(replay(workload, fleet(replicas=2, max_burst_steps=1), "cache_aware"))
+    burst = replay_row(replay(workload, fleet(replicas=2, max_burst_steps=64), "cache_aware"))
     for key in ("token_hit_rate", "requests_per_replica", "evictions", "prediction_accuracy"):
         assert single[key] == burst[key], key
     for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "duration_s"):

@@ -38,10 +38,10 @@ def admit_two_tiers(cache: PrefixCache, host: HostCache, tokens: np.ndarray) -> 
     hashes, raw = block_hashes(tokens, BLOCK, 0), tokens.tobytes()
     hits = cache.match(hashes, raw)
     loaded = host.match(hashes, raw, len(hits))
+    host.loaded(hashes[len(hits) : len(hits) + loaded])
     cache.acquire(hits)
     blocks = hits + cache.allocate(len(hashes) - len(hits))
     cache.cache_blocks(blocks, len(hits), len(hashes), hashes, raw)
-    host.note_loaded(loaded)
     return blocks
 
 

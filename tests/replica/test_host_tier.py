@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replica.engine import Engine, EngineConfig, EngineRequest
 from tests.replica.test_engine import run
@@ -110,3 +112,31 @@ def test_reset_empties_both_tiers():
     assert len(engine.host) == 0 and engine.cache.num_cached_blocks == 0
     events, _ = engine.cache.events_since(0)
     assert {e.medium for e in events} == {"GPU", "CPU"} and events[-1].kind == "cleared"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    host_blocks=st.integers(1, 48),
+    documents=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=4, max_size=30),
+)
+def test_random_traffic_through_two_small_tiers_keeps_every_invariant(host_blocks, documents):
+    """Two requests at a time over a few long documents: loads, demotions into a full
+    host and evictions interleave; every answer matches an engine without the tier."""
+    engine = engine_with(64, host_blocks=host_blocks)
+    reference = engine_with(64, host_blocks=0)
+    for turn, pair in enumerate(documents):
+        requests = [
+            EngineRequest(
+                f"r{turn}-{k}",
+                np.concatenate((prompt(400, 1 + doc * 10_000), prompt(8 + turn, 10**6 + turn))),
+                2,
+                ignore_eos=True,
+            )
+            for k, doc in enumerate(pair)
+        ]
+        got, expected = run(engine, requests), run(reference, requests)
+        assert [r["tokens"] for r in got.values()] == [r["tokens"] for r in expected.values()]
+        engine.cache.check_invariants()
+        assert engine.host is not None
+        engine.host.check_invariants()
+    assert engine.cache.usage == 0.0
