@@ -18,7 +18,7 @@ from loadtest.workloads import ChatConfig
 from replica.api.config import ReplicaConfig
 
 TABLE_KEYS = (
-    "label", "requests", "failures", "token_hit_rate", "client_token_hit_rate",
+    "label", "requests", "failures", "token_hit_rate", "host_hit_rate", "client_token_hit_rate",
     "replay_token_hit_rate", "block_hit_rate", "evictions", "ttft_p50_s", "ttft_p90_s",
     "ttft_p99_s", "replay_ttft_p50_s", "replay_ttft_p99_s", "e2e_p50_s", "throughput_rps",
     "imbalance", "prediction_accuracy", "cpu_busy",
@@ -29,8 +29,9 @@ How to read it. Each row is one policy, run live on the same seeded workload aft
 every replica's cache was emptied:
 
 - `token_hit_rate`: prompt tokens the replicas found in their prefix caches (the
-  engines' own count); `client_token_hit_rate` is the same from the `cached_tokens`
-  of the answers' usage blocks, and the two agree when every request finished.
+  engines' own count, both tiers); `host_hit_rate` the part loaded from host memory;
+  `client_token_hit_rate` is the same from the `cached_tokens` of the answers' usage
+  blocks, and the two agree when every request finished.
 - `replay_token_hit_rate`, `replay_ttft_*`: what `prefix-router replay` predicts for
   the same workload on a simulated twin of the fleet. A live hit rate more than
   5 points away from it is flagged below.

@@ -44,9 +44,9 @@ SWEEPABLE = {"replicas": "replicas", "capacity": "capacity_blocks"}
 
 TABLE_KEYS = (
     "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
-    "block_hit_rate", "fraction_of_bound", "prefill_tokens_computed", "prefill_tokens_saved",
-    "evictions", "shared_prefix_evictions", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-    "e2e_p50_s", "throughput_rps", "imbalance", "prediction_accuracy",
+    "host_hit_rate", "block_hit_rate", "fraction_of_bound", "prefill_tokens_computed",
+    "prefill_tokens_saved", "evictions", "shared_prefix_evictions", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "e2e_p50_s", "throughput_rps", "imbalance", "prediction_accuracy",
 )  # fmt: skip
 
 

@@ -7,9 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loadtest.workloads import load_workload
+from replica.api.config import ReplicaConfig
 from replica.engine import Engine, EngineConfig, EngineRequest
 from tests.replica.test_engine import run
-from tests.shared import prompt
+from tests.shared import MOONCAKE_TRACE, prompt
 
 
 def engine_with(num_blocks: int, host_blocks: int, **config) -> Engine:
@@ -140,3 +142,17 @@ def test_random_traffic_through_two_small_tiers_keeps_every_invariant(host_block
         assert engine.host is not None
         engine.host.check_invariants()
     assert engine.cache.usage == 0.0
+
+
+def test_default_capacities_follow_the_hardware_and_hold_every_mooncake_prompt():
+    config = EngineConfig.for_replica(ReplicaConfig())
+    assert (config.num_blocks, config.host_blocks) == (26_674, 122_070)  # one H100, 256 GB
+    seventy = EngineConfig.for_replica(ReplicaConfig(profile="llama3-70b-4xh100"))
+    assert seventy.num_blocks == 28_018 and seventy.host_blocks == 4 * 256e9 // (320 * 1024 * 16)
+    workload = load_workload(f"trace:{MOONCAKE_TRACE}", {})
+    longest = max(
+        len(t.prompt_token_ids) + t.max_tokens for s in workload.sessions for t in s.turns
+    )
+    assert longest > 4096 * 16  # the old default of 4,096 blocks refused it with a 400
+    assert longest <= config.capacity_tokens
+    assert EngineConfig.for_replica(ReplicaConfig(host_blocks=0)).host_blocks == 0

@@ -69,6 +69,8 @@ def test_models_health_stats_and_metrics(replica):
     stats = replica_stats(replica)  # the typed contract decodes the live answer
     assert stats.requests >= 1 and stats.cache.query_tokens > 0
     assert stats.config == ReplicaConfig(speedup=20, num_blocks=2048)
+    # The host tier its profile's hardware holds by default: 256 GB under one H100.
+    assert stats.cache.num_blocks == 2048 and stats.cache.host_num_blocks == 122_070
     metrics = httpx.get(replica + "/metrics").text
     for name in (
         "vllm:prefix_cache_queries_total",
@@ -77,6 +79,9 @@ def test_models_health_stats_and_metrics(replica):
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:time_to_first_token_seconds_bucket",
+        "prefix_router:host_cache_hits_total",
+        "prefix_router:kv_bytes_to_gpu_total",
+        "prefix_router:host_cache_usage_perc",
     ):
         assert name in metrics, name
     queries = next(
