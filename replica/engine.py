@@ -326,11 +326,11 @@ class Engine:
 
     @property
     def bytes_to_host(self) -> int:
-        return self.host.stats.stored_blocks * self.block_bytes if self.host else 0
+        return self.host.stats.stored_blocks * self.block_bytes if self.host is not None else 0
 
     @property
     def bytes_to_gpu(self) -> int:
-        return self.host.stats.loaded_blocks * self.block_bytes if self.host else 0
+        return self.host.stats.loaded_blocks * self.block_bytes if self.host is not None else 0
 
     def _should_load(self, host_tokens: int, computed: int, remaining: int) -> bool:
         return self.cost.load_beats_recompute(host_tokens, computed, remaining, self.link)

@@ -61,7 +61,7 @@ class EngineCollector:
             (
                 "prefix_router:host_cache_usage_perc",
                 "Fraction of the host tier's blocks holding KV.",
-                len(engine.host) / engine.host.num_blocks if engine.host else 0.0,
+                len(engine.host) / engine.host.num_blocks if engine.host is not None else 0.0,
             ),
         )
         for name, doc, value in counters:

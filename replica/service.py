@@ -111,9 +111,9 @@ class Replica:
             token_hit_rate=stats.token_hit_rate if stats.query_tokens else None,
             block_hit_rate=stats.block_hit_rate if stats.query_blocks else None,
             host_hit_tokens=stats.host_hit_tokens,
-            host_num_blocks=host.num_blocks if host else 0,
-            host_cached_blocks=len(host) if host else 0,
-            host_evictions=host.stats.evictions if host else 0,
+            host_num_blocks=host.num_blocks if host is not None else 0,
+            host_cached_blocks=len(host) if host is not None else 0,
+            host_evictions=host.stats.evictions if host is not None else 0,
             bytes_to_host=engine.bytes_to_host,
             bytes_to_gpu=engine.bytes_to_gpu,
         )
