@@ -43,7 +43,8 @@ def add_config_flags(
             action: Any = argparse.BooleanOptionalAction
             group.add_argument(flag, dest=dest, action=action, default=None, **extra)
         else:
-            text = f"default: {default if default is not None else _default_text(field)}"
+            shown = default if default not in (None, "") else _default_text(field)
+            text = f"default: {shown}"
             metavar = kind.__name__.upper()
             group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=text, **extra)
 

@@ -47,7 +47,7 @@ class ReplayConfig:
     compute_scale: float = 1.0
     #: Host-memory KV blocks under each replica's GPU blocks (0: none), and their link.
     host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
-    host_link: str = ReplicaConfig.host_link
+    host_link: str = field(default="", metadata={"derived": "the profile's"})
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
