@@ -73,10 +73,17 @@ LINKS: dict[str, HostLink] = {link.name: link for link in (PCIE4, PCIE5)}
 
 
 def get_link(name: str) -> HostLink:
-    try:
+    """A named link, or a usable bandwidth in GB/s (``"40"``: 40 GB/s, 10 us a copy)."""
+    if name in LINKS:
         return LINKS[name]
-    except KeyError:
-        raise ValueError(f"unknown host link {name!r}; known: {', '.join(LINKS)}") from None
+    try:
+        gb_per_s = float(name)
+    except ValueError:
+        known = ", ".join(LINKS)
+        raise ValueError(f"unknown host link {name!r}; known: {known}, or GB/s") from None
+    if gb_per_s <= 0:
+        raise ValueError(f"a host link's bandwidth must be positive, got {name!r}")
+    return HostLink(f"{gb_per_s:g}GB/s", bytes_per_s=gb_per_s * 1e9, latency_s=PCIE5.latency_s)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ class ReplicaConfig:
     #: Blocks of the host-memory KV tier under the GPU's; by default what the profile's
     #: typical host memory holds (256 GB per H100: 122,070 blocks); 0: no host tier.
     host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
-    #: The GPU's link to host memory (``pcie4``, ``pcie5``; empty: the profile's).
+    #: The GPU's link to host memory: ``pcie4``, ``pcie5``, or its usable bandwidth in
+    #: GB/s (``40``); empty: the profile's.
     host_link: str = field(default="", metadata={"derived": "the profile's"})
 
     def __post_init__(self) -> None:

@@ -156,3 +156,12 @@ def test_default_capacities_follow_the_hardware_and_hold_every_mooncake_prompt()
     assert longest > 4096 * 16  # the old default of 4,096 blocks refused it with a 400
     assert longest <= config.capacity_tokens
     assert EngineConfig.for_replica(ReplicaConfig(host_blocks=0)).host_blocks == 0
+
+
+def test_the_link_is_named_or_given_as_a_bandwidth():
+    fast = engine_with(64, host_blocks=64, host_link="200")
+    slow = engine_with(64, host_blocks=64, host_link="pcie4")
+    assert fast.link.bytes_per_s == 200e9 and slow.link.bytes_per_s == 25e9
+    assert fast.cost.load_time(4096, 1, fast.link) < slow.cost.load_time(4096, 1, slow.link)
+    with pytest.raises(ValueError, match="unknown host link 'usb2'"):
+        engine_with(64, host_blocks=64, host_link="usb2")
