@@ -173,7 +173,11 @@ class Engine:
             )
         seed = identity_seed(self.config.model, request.cache_salt)
         hasher = self._hasher_factory(self.config.block_size, seed)
-        sample_seed = xxhash.xxh3_64_intdigest(request.request_id.encode(), seed=self.config.seed)
+        sample_seed = request.sample_seed
+        if sample_seed is None:
+            sample_seed = xxhash.xxh3_64_intdigest(
+                request.request_id.encode(), seed=self.config.seed
+            )
         seq = Sequence(request, hasher, sample_seed)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)

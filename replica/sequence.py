@@ -33,6 +33,8 @@ class EngineRequest:
     max_tokens: int
     ignore_eos: bool = False
     cache_salt: str | None = None
+    #: Seeds the toy model's sampling (a request's ``seed``); ``None``: from its id.
+    sample_seed: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

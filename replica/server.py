@@ -23,7 +23,6 @@ from replica.api import openai as api
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
 from replica.api.kv_events import encode_page
-from replica.engine import EngineRequest
 from replica.service import Replica
 
 routes = APIRouter()
@@ -42,6 +41,7 @@ def create_app(config: ReplicaConfig | None = None) -> FastAPI:
     app = FastAPI(title="prefix-router replica", lifespan=lifespan)
     app.state.replica = replica
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(api.Rejected, _rejected)  # type: ignore[arg-type]
     app.include_router(routes)
     return app
 
@@ -55,27 +55,21 @@ async def _invalid(request: Request, error: RequestValidationError) -> JSONRespo
     return api.bad_request(error)
 
 
+async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
+    return error.response()
+
+
 @routes.post("/v1/completions")
 async def completions(body: api.CompletionRequest, request: Request) -> Response:
     replica = _replica(request)
-    prompt = body.token_ids(replica.engine.tokenizer)
-    if prompt is None:
-        return api.bad_token_ids()
-    engine_request = EngineRequest(
-        api.new_id("cmpl"), prompt, body.token_limit(), body.ignore_eos, body.cache_salt
-    )
-    return await replica.answer(engine_request, body.stream, body.include_usage, chat=False)
+    return await replica.answer(body, body.prompts(replica.engine.tokenizer))
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
     replica = _replica(request)
-    messages = [m.model_dump() for m in body.messages]
-    prompt = replica.engine.tokenizer.apply_chat_template(messages)
-    engine_request = EngineRequest(
-        api.new_id("chatcmpl"), prompt, body.token_limit(), body.ignore_eos, body.cache_salt
-    )
-    return await replica.answer(engine_request, body.stream, body.include_usage, chat=True)
+    prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages())
+    return await replica.answer(body, [prompt])
 
 
 @routes.get("/v1/models")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+import xxhash
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from replica.answers import Answer
+from replica.answers import Answer, AnswerSpec, ChoiceOutputs
 from replica.api import openai as api
 from replica.api.config import ReplicaConfig
 from replica.api.kv_events import KVEventPage
@@ -33,17 +35,25 @@ class Replica:
         self.errors = 0  # refused since the last reset
 
     async def answer(
-        self, request: EngineRequest, stream: bool, include_usage: bool, chat: bool
+        self, body: api.CompletionRequest | api.ChatCompletionRequest, prompts: list[np.ndarray]
     ) -> Response:
-        """Queue ``request`` and answer as it runs; 400 if it can never fit.
+        """Queue one engine request per choice (``n`` for each prompt) and answer as they
+        run; 400 if one can never fit.
 
-        A whole (non-streamed) answer's headers wait for the first token, so a router
-        in front learns when the prefill ended, as a stream's first token tells it.
+        A whole (non-streamed) answer's headers wait until every choice has its first
+        token, so a router in front learns when the prefill ended, as a stream's first
+        token tells it.
         """
+        chat = isinstance(body, api.ChatCompletionRequest)
+        request_id = api.new_id("chatcmpl" if chat else "cmpl")
+        requests = self._engine_requests(request_id, body, prompts)
+        streams = []
         try:
-            outputs = self.loop.submit(request)
+            for request in requests:
+                streams.append(self.loop.submit(request))
         except ValueError as error:
             self.errors += 1
+            await ChoiceOutputs(streams).aclose()  # abort the choices already queued
             return JSONResponse(api.error_body(str(error), 400), status_code=400)
         self.requests += 1
         started = time.monotonic()
@@ -51,13 +61,42 @@ class Replica:
         def first_token() -> None:
             self.metrics.ttft.observe(time.monotonic() - started)
 
-        answer = Answer(request.request_id, self.config.model, chat, self._decode, first_token)
-        if stream:
-            return StreamingResponse(
-                answer.stream(outputs, include_usage), media_type="text/event-stream"
+        spec = AnswerSpec(
+            request_id, self.config.model, chat, [r // body.n for r in range(len(requests))],
+            body.stop_strings, _logprobs(body), body.include_usage,
+        )  # fmt: skip
+        answer, outputs = Answer(spec, self._decode, first_token), ChoiceOutputs(streams)
+        if body.stream:
+            return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
+        pulled = await answer.first_outputs(outputs)
+        return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
+
+    def _engine_requests(
+        self,
+        request_id: str,
+        body: api.CompletionRequest | api.ChatCompletionRequest,
+        prompts: list[np.ndarray],
+    ) -> list[EngineRequest]:
+        """Choice ``p * n + k`` samples prompt ``p`` for the ``k``-th time, from a seed of
+        its own when the request gives one (the same request then answers the same)."""
+        many = len(prompts) * body.n > 1
+        requests = []
+        for index in range(len(prompts) * body.n):
+            seed = body.seed
+            sample_seed = (
+                None if seed is None else xxhash.xxh3_64_intdigest(f"{seed}:{index}".encode())
             )
-        first = await anext(outputs)
-        return StreamingResponse(answer.whole(first, outputs), media_type="application/json")
+            requests.append(
+                EngineRequest(
+                    f"{request_id}-{index}" if many else request_id,
+                    prompts[index // body.n],
+                    body.token_limit(),
+                    body.ignore_eos,
+                    body.cache_salt,
+                    sample_seed,
+                )
+            )
+        return requests
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
@@ -117,3 +156,10 @@ class Replica:
             bytes_to_host=engine.bytes_to_host,
             bytes_to_gpu=engine.bytes_to_gpu,
         )
+
+
+def _logprobs(body: api.CompletionRequest | api.ChatCompletionRequest) -> int | None:
+    """How many alternatives each token's logprobs list (``None``: no logprobs)."""
+    if isinstance(body, api.ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs

@@ -43,6 +43,8 @@ class Accounting:
         self.upstream_errors: Counter[str] = Counter()
         self.tenants: defaultdict[str, TenantCounts] = defaultdict(TenantCounts)
         self.retries = 0
+        #: Requests whose prompt the gateway could not read (routed by load alone).
+        self.unread_prompts = 0
 
     def dispatched(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
         load.dispatched(policy, request, replica)
@@ -87,6 +89,7 @@ class Accounting:
         return GatewayStats(
             policy=policy,
             retries=self.retries,
+            unread_prompts=self.unread_prompts,
             refused=admission.refused,
             queued=len(admission),
             config=config,

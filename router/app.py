@@ -1,10 +1,11 @@
 """The gateway's HTTP face: the OpenAI API in front of a fleet, and its admin endpoints.
 
-Each completion request is read (413 beyond the limits), validated (400 naming the
-field), authenticated (its tenant's salt seeds its block identities), tokenized with
-the replicas' tokenizer and chat template, and handed to the request path
-(``router/upstream.py``). Handlers find the gateway in ``request.app.state``; the app's
-lifespan owns the pooled HTTP client, the backends' watchers and Ray discovery.
+Each completion request is read (413 beyond the limits; see ``router/intake.py`` for
+how little the gateway checks), authenticated (its tenant's salt seeds its block
+identities), tokenized with the replicas' tokenizer and chat template, and handed to
+the request path (``router/upstream.py``). Handlers find the gateway in
+``request.app.state``; the app's lifespan owns the pooled HTTP client, the backends'
+watchers and Ray discovery.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.routing import Route
 
 from replica.api import openai as api
@@ -28,6 +29,7 @@ from replica.api import stats as stats_codec
 from router.backends import follow_ray_replicas
 from router.config import GatewayConfig
 from router.gateway import Gateway
+from router.intake import Envelope, check_length, read_envelope, routing_prompt
 from router.policies import POLICIES, RoutingRequest
 from router.tenants import ApiKeys, Unauthorized, tenant_salt
 from router.upstream import Upstream
@@ -124,88 +126,47 @@ async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
     return error.response()
 
 
-# ----------------------------------------------------------------- reading a request
-
-
-async def read_capped(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
-    return bytes(body)
-
-
-async def _parse(
-    request: Request, model: type[api.CompletionRequest] | type[api.ChatCompletionRequest]
-) -> tuple[bytes, Any]:
-    """The raw body (forwarded as it came) and its validated form."""
-    config: GatewayConfig = request.app.state.config
-    raw = await read_capped(request, config.max_request_bytes)
-    try:
-        parsed = model.model_validate_json(raw)
-    except ValidationError as error:
-        raise RequestValidationError(error.errors()) from None
-    if parsed.model is not None and parsed.model != config.model:
-        raise api.Rejected(f"the model {parsed.model!r} does not exist", 404, "model")
-    return raw, parsed
-
-
-def _check_length(request: Request, prompt: np.ndarray, field: str) -> None:
-    limit = request.app.state.config.max_prompt_tokens
-    if len(prompt) > limit:
-        raise api.Rejected(
-            f"the prompt is {len(prompt)} tokens, over the limit of {limit}", 413, field
-        )
-
-
-def _tenant_routing(
-    request: Request, parsed: Any, prompt: np.ndarray
-) -> tuple[RoutingRequest, dict[str, Any]]:
-    """Authenticate, and seed the request's identities with its tenant's salt, in the
-    gateway and (through the ``cache_salt`` field forwarded) in the replica."""
-    keys: ApiKeys = request.app.state.keys
-    tenant = keys.tenant(request.headers.get("authorization"))
-    name = tenant.name if tenant else None
-    salt = tenant_salt(name, parsed.cache_salt)
-    fields = {"cache_salt": salt} if salt != parsed.cache_salt else {}
-    return _gateway(request).routing_request(prompt, salt, name), fields
-
-
-async def _forward(
-    request: Request, path: str, raw: bytes, parsed: Any, prompt: np.ndarray, received: float
-) -> Response:
-    routing, fields = _tenant_routing(request, parsed, prompt)
-    upstream: Upstream = request.app.state.upstream
-    return await upstream.forward(
-        path, raw, routing, parsed.stream, parsed.include_usage, received, fields
-    )
-
-
 # ----------------------------------------------------------------- the OpenAI API
 
 
-async def completions(request: Request) -> Response:
-    received = time.perf_counter()
-    raw, parsed = await _parse(request, api.CompletionRequest)
-    prompt = parsed.token_ids(_gateway(request).tokenizer)
+def _tenant_routing(
+    request: Request, envelope: Envelope, prompt: np.ndarray | None
+) -> tuple[RoutingRequest, dict[str, Any]]:
+    """Authenticate, and seed the request's identities with its tenant's salt, in the
+    gateway and (through the ``cache_salt`` field forwarded) in the replica. A prompt
+    the gateway cannot read is routed by load alone."""
+    keys: ApiKeys = request.app.state.keys
+    tenant = keys.tenant(request.headers.get("authorization"))
+    name = tenant.name if tenant else None
+    salt = tenant_salt(name, envelope.cache_salt)
+    fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}
+    gateway = _gateway(request)
     if prompt is None:
-        return api.bad_token_ids()
-    _check_length(request, prompt, "prompt")
-    return await _forward(request, "/v1/completions", raw, parsed, prompt, received)
+        gateway.accounting.unread_prompts += 1
+        return RoutingRequest(api.new_id("route"), 0, tenant=name), fields
+    return gateway.routing_request(prompt, salt, name), fields
+
+
+async def _route(request: Request, path: str, chat: bool) -> Response:
+    received = time.perf_counter()
+    config: GatewayConfig = request.app.state.config
+    raw, envelope = await read_envelope(request, config)
+    prompt = routing_prompt(envelope.body, chat, _gateway(request).tokenizer)
+    if prompt is not None:
+        check_length(prompt, config.max_prompt_tokens, "messages" if chat else "prompt")
+    routing, fields = _tenant_routing(request, envelope, prompt)
+    upstream: Upstream = request.app.state.upstream
+    return await upstream.forward(
+        path, raw, routing, envelope.stream, envelope.include_usage, received, fields
+    )
+
+
+async def completions(request: Request) -> Response:
+    return await _route(request, "/v1/completions", chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
-    received = time.perf_counter()
-    raw, parsed = await _parse(request, api.ChatCompletionRequest)
-    messages = [m.model_dump() for m in parsed.messages]
-    prompt = _gateway(request).tokenizer.apply_chat_template(messages)
-    _check_length(request, prompt, "messages")
-    return await _forward(request, "/v1/chat/completions", raw, parsed, prompt, received)
+    return await _route(request, "/v1/chat/completions", chat=True)
 
 
 @routes.post("/v1/completions", responses=ERROR_RESPONSES)

@@ -61,6 +61,11 @@ class GatewayMetrics:
         yield CounterMetricFamily(
             "prefix_router_refused_requests", "Requests refused with 429.", admission.refused
         )
+        yield CounterMetricFamily(
+            "prefix_router_unread_prompts",
+            "Requests whose prompt the gateway could not read (routed by load alone).",
+            self._accounting.unread_prompts,
+        )
 
     def _by_policy(self) -> Iterable[Metric]:
         by_backend = self._accounting.by_backend

@@ -70,6 +70,8 @@ class GatewayStats:
     config: GatewayConfig
     backends: list[BackendStats]
     tenants: dict[str, TenantStats] = field(default_factory=dict)
+    #: Requests whose prompt the gateway could not read, routed by load alone.
+    unread_prompts: int = 0
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

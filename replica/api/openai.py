@@ -6,6 +6,7 @@ values become a 400 naming the problem, as OpenAI and vLLM answer.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -13,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
@@ -22,58 +23,205 @@ MAX_TOKEN_ID = 2**32 - 1
 #: OpenAI's default for /v1/completions; chat requests without a limit get more.
 DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_CHAT_TOKENS = 256
+#: vLLM's default ``max_logprobs``: the most alternatives a token's logprobs may list.
+MAX_LOGPROBS = 20
+#: Content part types a text model reads; vLLM refuses the others for such a model.
+TEXT_PARTS = ("text", "input_text")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown sampling fields are accepted and ignored
+class _Sampling(BaseModel):
+    """What completions and chat share: the sampling parameters, with vLLM's ranges.
+
+    Fields the simulated model has nothing to do with (``user``, ``response_format``,
+    ``tools``, penalties, ...) are accepted, checked as vLLM checks them, and ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are accepted and ignored
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     #: vLLM's per-request salt: narrows cache sharing to requests with the same salt.
     cache_salt: str | None = Field(default=None, max_length=256)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    #: Each choice samples from its own seed derived from this one: the same request
+    #: with the same seed gives the same answer.
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    @model_validator(mode="after")
+    def _vllm_rules(self) -> _Sampling:
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+        if any(not stop for stop in self.stop_strings):
+            raise ValueError("stop cannot contain an empty string")
+        limit = self.token_limit()
+        if self.min_tokens > limit:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={limit}, got {self.min_tokens}"
+            )
+        return self
 
     def token_limit(self) -> int:
         return self.max_tokens or DEFAULT_COMPLETION_TOKENS
 
-    def token_ids(self, tokenizer: ByteTokenizer) -> np.ndarray | None:
-        """The prompt as token ids (text is tokenized); ``None`` if an id is out of range."""
-        if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt)
-        if not all(0 <= t <= MAX_TOKEN_ID for t in self.prompt):
-            return None
-        return np.asarray(self.prompt, dtype=TOKEN_DTYPE)
+
+class CompletionRequest(_Sampling):
+    """``prompt``: text, token ids, or a batch of either (one choice per prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self, tokenizer: ByteTokenizer) -> list[np.ndarray]:
+        return prompt_token_ids(self.prompt, tokenizer)
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    """A message as OpenAI clients send it: text, a list of content parts, or nothing
+    but tool calls; tool and function results; names."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"content is required in a {self.role} message "
+                "(only an assistant message may leave it out, to call tools)"
+            )
+        return self
+
+    def text(self, index: int) -> str:
+        """The message as the chat template renders it: text parts joined by newlines
+        (as vLLM joins them), tool calls after the text. Raises :class:`Rejected`
+        naming a part this text-only model cannot read."""
+        text = self.content if isinstance(self.content, str) else ""
+        if isinstance(self.content, list):
+            text = "\n".join(_part_text(part, index, k) for k, part in enumerate(self.content))
+        if self.tool_calls:
+            calls = json.dumps(self.tool_calls, sort_keys=True, separators=(",", ":"))
+            text = f"{text}<tool_calls>{calls}" if text else f"<tool_calls>{calls}"
+        return text
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return self
 
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
 
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """The conversation as role and text, ready for the chat template."""
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
-class Rejected(Exception):
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def chat_prompt_messages(messages: Any) -> list[dict[str, str]]:
+    """``messages`` as they came in a request body, as role and text for the chat
+    template (what the gateway routes by); raises ``ValueError`` if it cannot read them."""
+    parsed = _MESSAGES.validate_python(messages)
+    if not parsed:
+        raise ValueError("no messages")
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(parsed)]
+
+
+def prompt_token_ids(prompt: Any, tokenizer: ByteTokenizer) -> list[np.ndarray]:
+    """A completion's ``prompt`` (text, token ids, or a batch of either) as token ids,
+    one array per prompt; raises :class:`Rejected` (a ``ValueError``) naming what is
+    wrong: an empty prompt, a token id out of range, a shape that is none of these."""
+    batch: list[Any] = [prompt] if _is_single(prompt) else prompt
+    if not isinstance(batch, list) or not batch:
+        raise Rejected("prompt must be text, token ids, or a non-empty list of them", 400, "prompt")
+    return [_token_ids(item, tokenizer, index) for index, item in enumerate(batch)]
+
+
+def _part_text(part: dict[str, Any], message: int, index: int) -> str:
+    kind = part.get("type")
+    text = part.get("text")
+    if kind in TEXT_PARTS and isinstance(text, str):
+        return text
+    where = f"messages.{message}.content.{index}"
+    if kind in TEXT_PARTS:
+        raise Rejected(f"{where}.text: a text part needs its text", 400, f"{where}.text")
+    raise Rejected(
+        f"{where}.type: content part {kind!r} is not supported by this text-only model "
+        f"(supported: {', '.join(TEXT_PARTS)})",
+        400,
+        f"{where}.type",
+    )
+
+
+def _is_single(prompt: object) -> bool:
+    """A prompt of text or of token ids, not a batch of them."""
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+    )
+
+
+def _token_ids(prompt: Any, tokenizer: ByteTokenizer, index: int) -> np.ndarray:
+    where = "prompt" if index == 0 else f"prompt.{index}"
+    if not isinstance(prompt, str | list) or not all(
+        isinstance(t, int) and not isinstance(t, bool)
+        for t in (prompt if isinstance(prompt, list) else ())
+    ):
+        raise Rejected(f"{where}: a prompt is text or a list of token ids", 400, where)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise Rejected(f"{where}: a prompt must not be empty", 400, where)
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise Rejected(f"{where}: a prompt must hold at least one token", 400, where)
+    if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+        raise Rejected(f"{where}: token ids must lie in [0, 2**32)", 400, where)
+    return np.asarray(prompt, dtype=TOKEN_DTYPE)
+
+
+class Rejected(ValueError):
     """A request refused with a 4xx naming the problem (``param``: the field)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
@@ -83,10 +231,6 @@ class Rejected(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(str(self), self.status, self.param), self.status)
-
-
-def bad_token_ids() -> JSONResponse:
-    return JSONResponse(error_body("prompt token ids must lie in [0, 2**32)", 400, "prompt"), 400)
 
 
 def new_id(prefix: str) -> str:
@@ -193,7 +337,8 @@ def bad_request(error: RequestValidationError) -> JSONResponse:
         detail = first.get("ctx", {}).get("error", "")
         return JSONResponse(error_body(f"invalid JSON: {detail}", 400), status_code=400)
     where = ".".join(str(part) for part in first.get("loc", ()) if _is_field(part))
-    message = f"{where}: {first.get('msg', 'invalid value')}" if where else "invalid request body"
+    detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = f"{where}: {detail}" if where else detail
     return JSONResponse(error_body(message, 400, where or None), status_code=400)
 
 

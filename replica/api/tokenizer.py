@@ -53,7 +53,7 @@ class ByteTokenizer:
         return np.frombuffer(render_chat(messages, add_generation_prompt), dtype=TOKEN_DTYPE)
 
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _header(role: str) -> bytes:

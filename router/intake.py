@@ -1,0 +1,87 @@
+"""What the gateway reads of a request before routing it, and no more.
+
+The gateway is never stricter than its backends: it refuses only what it cannot
+route (a body over the limits, a body that is not a JSON object, a model it does
+not serve) and forwards everything else as the client wrote it, for the backend to
+accept or refuse as it would without a router. What it needs for routing it reads
+leniently: the prompt (the first of a batch), rendered by the replicas' chat
+template; a request whose prompt it cannot read is routed by load alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+
+from replica.api import openai as api
+from replica.api.tokenizer import ByteTokenizer
+from router.config import GatewayConfig
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields of a request body that the request path needs."""
+
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Envelope:
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        salt = body.get("cache_salt")
+        return cls(
+            body, body.get("stream") is True, include_usage, salt if isinstance(salt, str) else None
+        )
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise api.Rejected(f"the request body is over the limit of {limit} bytes", 413)
+    return bytes(body)
+
+
+async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes, Envelope]:
+    """The raw body (forwarded as it came) and what routing needs of it."""
+    raw = await read_capped(request, config.max_request_bytes)
+    try:
+        body = json.loads(raw)
+    except ValueError as error:
+        raise api.Rejected(f"invalid JSON: {error}", 400) from None
+    if not isinstance(body, dict):
+        raise api.Rejected("the request body must be a JSON object", 400)
+    model = body.get("model")
+    if model is not None and model != config.model:
+        raise api.Rejected(f"the model {model!r} does not exist", 404, "model")
+    return raw, Envelope.of(body)
+
+
+def routing_prompt(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> np.ndarray | None:
+    """The prompt to route by: the conversation through the chat template, or the first
+    prompt of a batch; ``None`` if it cannot be read (the backend will say why)."""
+    try:
+        if chat:
+            return tokenizer.apply_chat_template(api.chat_prompt_messages(body["messages"]))
+        return api.prompt_token_ids(body["prompt"], tokenizer)[0]
+    except (KeyError, ValueError):  # pydantic's and Rejected are ValueErrors too
+        return None
+
+
+def check_length(prompt: np.ndarray, limit: int, field: str) -> None:
+    if len(prompt) > limit:
+        raise api.Rejected(
+            f"the prompt is {len(prompt)} tokens, over the limit of {limit}", 413, field
+        )
