@@ -17,7 +17,7 @@ import numpy as np
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row
 from loadtest.workloads import load_workload
-from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.tokenizer import TOKEN_DTYPE
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
@@ -37,7 +37,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
     ]
     requests = []
     for i, tokens in enumerate(prompts):  # every prompt known on one replica, half of it on another
-        hashes = block_hashes(tokens, STRIDE_TOKENS, seed)
+        hashes = prefix_keys(tokens, STRIDE_TOKENS, seed)
         policy.on_dispatch(RoutingRequest(f"warm-{i}", prompt_tokens, hashes), fleet[i % replicas])
         policy.on_dispatch(
             RoutingRequest(f"half-{i}", prompt_tokens // 2, hashes[: len(hashes) // 2]),
@@ -55,7 +55,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
         decisions.append((time.perf_counter() - start) / len(requests))
         start = time.perf_counter()
         for tokens in prompts:
-            block_hashes(tokens, STRIDE_TOKENS, seed)
+            prefix_keys(tokens, STRIDE_TOKENS, seed)
         hashing.append((time.perf_counter() - start) / len(prompts))
     return 1e6 * statistics.median(decisions), 1e6 * statistics.median(hashing)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from loadtest.workloads import Workload
 from replica.api.config import ReplicaConfig
-from replica.api.identity import block_hashes, identity_seed
+from replica.api.identity import block_hashes, identity_seed, prefix_keys
 from replica.engine import Engine, EngineConfig, EngineRequest, StepResult
 from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
@@ -52,6 +52,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
+        if self.routing.model != self.model:  # one model: the routing knobs follow it
+            object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         self.engine_config()  # checks the replicas' shape
 
     @property
@@ -214,7 +216,7 @@ class Simulation:
         request_id = f"{session.session_id}/{turn_index}"
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        stride_hashes = block_hashes(prompt, self._stride_tokens, self._seed)
+        stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed)
         routing = RoutingRequest(request_id, len(prompt), stride_hashes)
         replica = self.policy.choose(routing, self.replicas)
         index = self.replicas.index(replica)

@@ -26,8 +26,11 @@ class EventLog:
         parent: int | None = None,
         depths: tuple[int, ...] = (),
         medium: Medium = "GPU",
+        token_bytes: bytes = b"",
+        salt: str | None = None,
     ) -> None:
-        self._events.append(KVEvent(self._next_seq, kind, hashes, parent, depths, medium))
+        event = KVEvent(self._next_seq, kind, hashes, parent, depths, medium, token_bytes, salt)
+        self._events.append(event)
         self._next_seq += 1
         if len(self._events) >= 2 * self.max_events:
             del self._events[: self.max_events]

@@ -101,7 +101,10 @@ class HostCache:
         for chain in _chains(stored):
             hashes = tuple(r.block_hash for r in chain)
             depths = tuple(r.depth for r in chain)
-            self.events.append("stored", hashes, chain[0].parent_hash, depths, medium="CPU")
+            tokens = b"".join(r.token_bytes for r in chain)
+            root = chain[0]
+            salt = root.salt if root.parent_hash is None else None
+            self.events.append("stored", hashes, root.parent_hash, depths, "CPU", tokens, salt)
         self.stats.stored_blocks += len(stored)
         return len(stored)
 

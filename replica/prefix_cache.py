@@ -49,6 +49,7 @@ class Block:
     token_bytes: bytes = b""
     last_used: int = 0
     depth: int = 0  # position in its prompt, in blocks (0 for the first block)
+    salt: str | None = None  # the cache salt that seeded it, kept for a first block
 
     @property
     def is_cached(self) -> bool:
@@ -66,6 +67,22 @@ class EvictedBlock(NamedTuple):
     parent_hash: int | None
     token_bytes: bytes
     depth: int
+    salt: str | None = None  # the cache salt of a prompt's first block
+
+
+class _Run:
+    """Blocks cached one after another, logged as one ``stored`` event."""
+
+    __slots__ = ("hashes", "start", "tokens")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.hashes: list[int] = []
+        self.tokens: list[bytes] = []
+
+    def add(self, block_hash: int, tokens: bytes) -> None:
+        self.hashes.append(block_hash)
+        self.tokens.append(tokens)
 
 
 @dataclass(slots=True)
@@ -208,6 +225,7 @@ class PrefixCache:
         stop: int,
         block_hashes: Sequence[int],
         token_bytes: bytes | bytearray,
+        salt: str | None = None,
     ) -> int:
         """Register the full blocks ``block_table[start:stop]``; return how many were.
 
@@ -219,9 +237,13 @@ class PrefixCache:
         block, now pinned, takes its place in ``block_table``. If it is cached with
         other tokens (a hash collision), registration stops there: that block and
         those after it stay private, and the count returned is short.
+
+        Each run of newly cached blocks is logged as one ``stored`` event hanging off
+        the block before it, with its tokens (and ``salt``, the request's cache salt,
+        when the run starts the prompt).
         """
         step = self.block_size * TOKEN_DTYPE.itemsize
-        cached, stored, depths = self._cached, [], []
+        cached, run = self._cached, _Run(start)
         for index in range(start, stop):
             block_hash, block = block_hashes[index], block_table[index]
             tokens = bytes(token_bytes[index * step : (index + 1) * step])
@@ -233,21 +255,28 @@ class PrefixCache:
                 self.acquire((existing,))
                 self.release((block,))
                 block_table[index] = existing
+                self._log_stored(run, block_table, salt)
+                run = _Run(index + 1)
                 continue
             parent = block_table[index - 1] if index else None
             block.block_hash, block.parent, block.token_bytes = block_hash, parent, tokens
-            block.depth = index
+            block.depth, block.salt = index, salt if index == 0 else None
             cached[block_hash] = block
             if parent is not None:
                 parent.num_children += 1
-            stored.append(block_hash)
-            depths.append(index)
-        if stored:
-            self.stats.stored_blocks += len(stored)
-            first = block_table[start - 1] if start else None
-            parent_hash = first.block_hash if first else None
-            self.events.append("stored", tuple(stored), parent_hash, tuple(depths))
+            run.add(block_hash, tokens)
+        self._log_stored(run, block_table, salt)
         return stop - start
+
+    def _log_stored(self, run: _Run, block_table: list[Block], salt: str | None) -> None:
+        if not run.hashes:
+            return
+        self.stats.stored_blocks += len(run.hashes)
+        parent = block_table[run.start - 1].block_hash if run.start else None
+        depths = tuple(range(run.start, run.start + len(run.hashes)))
+        tokens = b"".join(run.tokens)
+        root_salt = salt if run.start == 0 else None
+        self.events.append("stored", tuple(run.hashes), parent, depths, "GPU", tokens, root_salt)
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Unpin blocks; pass a request's blocks tail first so leaves age before parents."""
@@ -308,7 +337,7 @@ class PrefixCache:
             depths.append(victim.depth)
             if evicted is not None:
                 parent_hash = parent.block_hash if parent is not None else None
-                record = (block_hash, parent_hash, victim.token_bytes, victim.depth)
+                record = (block_hash, parent_hash, victim.token_bytes, victim.depth, victim.salt)
                 evicted.append(EvictedBlock(*record))  # type: ignore[arg-type]
             del self._cached[block_hash]  # type: ignore[arg-type]
             victim.block_hash, victim.parent, victim.token_bytes = None, None, b""

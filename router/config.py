@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from replica.api.identity import DEFAULT_MODEL
 from router.policies import POLICIES, PolicyConfig
@@ -43,3 +43,5 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.routing.model != self.model:  # one model: the routing knobs follow it
+            object.__setattr__(self, "routing", replace(self.routing, model=self.model))

@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 
 from replica.api import openai as api
-from replica.api.identity import block_hashes, identity_seed
+from replica.api.identity import identity_seed, prefix_keys
 from replica.api.tokenizer import ByteTokenizer
 from router.accounting import Accounting
 from router.admission import AdmissionQueue
@@ -58,7 +58,7 @@ class Gateway:
     ) -> RoutingRequest:
         """Hash the prompt as a replica will: seeded by model and (tenant) salt."""
         seed = identity_seed(self.config.model, cache_salt)  # one short hash, no cache to grow
-        hashes = block_hashes(prompt, self.config.routing.stride_tokens, seed)
+        hashes = prefix_keys(prompt, self.config.routing.stride_tokens, seed)
         return RoutingRequest(api.new_id("route"), len(prompt), hashes, tenant=tenant)
 
     async def admit(self) -> list[ReplicaState]:

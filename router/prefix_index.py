@@ -1,10 +1,11 @@
 """Which replica holds which prefix: block identity -> replicas, for the router.
 
 For a prompt, :meth:`PrefixIndex.match` answers how many leading tokens each replica
-holds, in one pass over the prompt's leading block identities, stopping as soon as
-no replica matches. Identities are chunk-invariant (see ``replica/hashing.py``), so
-the router may hash only every ``stride``-th block boundary and still speak the
-replicas' language; matches are then counted in steps of ``stride`` blocks.
+holds, in one pass over the prompt's keys, stopping as soon as no replica matches.
+Keys are the router's own (``replica.api.identity.prefix_keys``): a chained hash
+over every ``stride``-th block boundary, so matches are counted in steps of
+``stride`` blocks; the replicas' events are turned into the same keys from the
+tokens they carry (``router/event_keys.py``).
 
 Two sources of knowledge, each a :class:`ReplicaSets`:
 
@@ -28,7 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from replica.api.identity import DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
+from router.event_keys import EventKeys
 
 IndexMode = Literal["approximate", "precise"]
 _NOBODY: dict[int, int] = {}
@@ -136,11 +139,19 @@ class ReplicaSets:
 class PrefixIndex:
     """The router's view of every replica's prefix cache (see the module docstring)."""
 
-    def __init__(self, config: IndexConfig, block_size: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: IndexConfig,
+        block_size: int,
+        clock: Callable[[], float],
+        model: str = DEFAULT_MODEL,
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.model = model
         self.stride_tokens = block_size * config.stride
         self.clock = clock
+        self._keys: dict[int, EventKeys] = {}  # by replica bit: its blocks from its events
         self._bits: dict[str, int] = {}
         self._all_bits = 0
         precise = config.mode == "precise"
@@ -159,6 +170,7 @@ class PrefixIndex:
         self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
         for sets in self._event_sets:
             sets.add_replica(bit, None)
+        self._keys[bit] = EventKeys(self.model, self.block_size, self.config.stride)
 
     def remove_replica(self, replica_id: str) -> None:
         bit = self._bits.pop(replica_id, None)
@@ -168,6 +180,7 @@ class PrefixIndex:
         self.routed.remove_replica(bit)
         for sets in self._event_sets:
             sets.remove_replica(bit)
+        del self._keys[bit]
 
     @property
     def _event_sets(self) -> list[ReplicaSets]:
@@ -263,27 +276,18 @@ class PrefixIndex:
         bit = self._bits.get(replica_id)
         if bit is None or self.stored is None or self.host is None:
             return
+        keys = self._keys[bit]
         for event in events:
             sets = self.host if event.medium == "CPU" else self.stored
             if event.kind == "stored":
-                sets.add(bit, self._indexed(event))
+                sets.add(bit, keys.stored(event))
             elif event.kind == "removed":
-                sets.discard(bit, self._indexed(event))
+                sets.discard(bit, keys.removed(event))
             else:  # both tiers emptied
                 self.stored.clear(bit)
                 self.host.clear(bit)
                 self.routed.clear(bit)
-
-    def _indexed(self, event: KVEvent) -> Sequence[int]:
-        """The event's blocks at stride boundaries (all of them if it gives no depths)."""
-        stride = self.config.stride
-        if stride == 1 or not event.block_depths:
-            return event.block_hashes
-        return [
-            block_hash
-            for block_hash, depth in zip(event.block_hashes, event.block_depths, strict=True)
-            if depth % stride == stride - 1
-        ]
+                keys.clear()
 
 
 class PrefixPopularity:

@@ -69,3 +69,21 @@ class BlockHasher:
 def block_hashes(tokens: np.ndarray, block_size: int, seed: int) -> list[int]:
     """Identities of the full blocks of ``tokens`` (stride ``block_size``)."""
     return BlockHasher(block_size, seed).extend(tokens)
+
+
+def prefix_keys(tokens: np.ndarray, chunk_tokens: int, seed: int) -> list[int]:
+    """The router's keys of a prompt, one per full chunk of ``chunk_tokens`` tokens: each
+    chained from the one before (``xxh3_64(chunk, seed=previous key)``), the first
+    seeded like a block identity, so it equals the identity at that boundary.
+
+    A chain can be continued from any key with the next chunk's tokens alone, which is
+    what lets a router key the blocks a ``BlockStored`` event carries (parent hash,
+    token ids) without the prompt's earlier tokens, as llm-d keys vLLM's events.
+    """
+    data = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes()
+    step = chunk_tokens * TOKEN_DTYPE.itemsize
+    keys, key = [], seed
+    for start in range(0, len(data) - len(data) % step, step):
+        key = xxhash.xxh3_64_intdigest(data[start : start + step], seed=key)
+        keys.append(key)
+    return keys

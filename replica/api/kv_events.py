@@ -10,9 +10,26 @@ identities each replica holds. Over HTTP a replica serves them in pages
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import TypeAdapter
+import numpy as np
+from pydantic import BeforeValidator, PlainSerializer, TypeAdapter
+
+from replica.api.tokenizer import TOKEN_DTYPE
+
+
+def _token_ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=TOKEN_DTYPE).tolist()
+
+
+def _token_bytes(value: Any) -> Any:
+    return np.asarray(value, dtype=TOKEN_DTYPE).tobytes() if isinstance(value, list) else value
+
+
+#: Token ids as little-endian uint32 bytes in memory, as a list of ints on the wire.
+TokenBytes = Annotated[
+    bytes, BeforeValidator(_token_bytes), PlainSerializer(_token_ids, return_type=list[int])
+]
 
 EventKind = Literal["stored", "removed", "cleared"]
 #: Where a block lives, as vLLM's ``BlockStored.medium`` says: GPU memory or the host's.
@@ -30,6 +47,10 @@ class KVEvent:
     boundary can ignore the others. ``medium`` says which tier the change happened
     in: a block evicted from the GPU and kept in host memory is ``removed`` on the
     GPU and ``stored`` on the CPU; ``cleared`` empties both.
+
+    A ``stored`` event carries its blocks' tokens (``token_bytes``, in order, as
+    vLLM's ``BlockStored.token_ids``) and, for a chain that starts a prompt, the cache
+    salt that seeded it: enough for a router to key the blocks with its own hash.
     """
 
     seq: int
@@ -38,6 +59,8 @@ class KVEvent:
     parent_hash: int | None = None
     block_depths: tuple[int, ...] = ()
     medium: Medium = "GPU"
+    token_bytes: TokenBytes = b""
+    salt: str | None = None
 
 
 @dataclass(frozen=True)

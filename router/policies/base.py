@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from replica.api.identity import DEFAULT_BLOCK_SIZE
+from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
 from router.prefix_index import IndexConfig
 
@@ -65,6 +65,9 @@ class PolicyConfig:
 
     #: Tokens per KV block of the fleet's engines (the router must hash as they do).
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: The model the fleet serves: it seeds the router's keys, as it seeds the engines'
+    #: identities. Set by the config that embeds this one (the gateway's, the replay's).
+    model: str = field(default=DEFAULT_MODEL, metadata={"flag": False})
     index: IndexConfig = field(default_factory=IndexConfig)
     #: cache_aware: prefill tokens one running request weighs, to put queued prefill
     #: and running sequences in one unit (its decode steps slow the replica's batch).

@@ -16,7 +16,7 @@ class IndexedPolicy(Policy):
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         super().__init__(config, clock, rng)
-        self.index = PrefixIndex(self._index_config(config), config.block_size, clock)
+        self.index = PrefixIndex(self._index_config(config), config.block_size, clock, config.model)
 
     def _index_config(self, config: PolicyConfig) -> IndexConfig:
         return config.index

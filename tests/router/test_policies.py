@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from router import load
 from router.policies import (
@@ -22,7 +22,7 @@ STRIDE_TOKENS = 64
 
 
 def request(tokens: np.ndarray, request_id: str = "r") -> RoutingRequest:
-    return RoutingRequest(request_id, len(tokens), block_hashes(tokens, STRIDE_TOKENS, SEED))
+    return RoutingRequest(request_id, len(tokens), prefix_keys(tokens, STRIDE_TOKENS, SEED))
 
 
 def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:
@@ -230,7 +230,8 @@ def test_sglang_cache_aware_uses_sglang_defaults():
 def held_events(tokens: np.ndarray, medium: str, seq: int = 1) -> list[KVEvent]:
     """What a replica publishes when it holds ``tokens`` in one tier (16-token blocks)."""
     hashes = tuple(block_hashes(tokens, 16, SEED))
-    return [KVEvent(seq, "stored", hashes, None, tuple(range(len(hashes))), medium)]
+    data = tokens[: len(hashes) * 16].tobytes()
+    return [KVEvent(seq, "stored", hashes, None, tuple(range(len(hashes))), medium, data)]
 
 
 def test_cache_aware_prefers_a_gpu_hit_then_a_host_hit_then_a_miss():

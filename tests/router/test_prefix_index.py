@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed
+from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, prefix_keys
 from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
 from replica.sequence import EngineRequest
@@ -15,7 +15,7 @@ SEED = identity_seed(DEFAULT_MODEL)
 
 
 def stride_hashes(tokens: np.ndarray) -> list[int]:
-    return block_hashes(tokens, BLOCK * STRIDE, SEED)
+    return prefix_keys(tokens, BLOCK * STRIDE, SEED)
 
 
 def make_index(mode: str = "approximate", clock: FakeClock | None = None, **config) -> PrefixIndex:
