@@ -160,7 +160,7 @@ def run_replica(args: argparse.Namespace) -> int:
     from replica.server import create_app
 
     config = config_from_args(ReplicaConfig, args)
-    serve_http(create_app(config), args.host, args.port)
+    serve_http(create_app(config, kv_events_host=args.host), args.host, args.port)
     return 0
 
 

@@ -43,7 +43,7 @@ class ReplicaServer:
                 host = self.host or ray.util.get_node_ip_address()
                 port = free_port(host)
                 config = uvicorn.Config(
-                    create_app(self.config),
+                    create_app(self.config, kv_events_host=host),
                     host=host,
                     port=port,
                     log_level="warning",

@@ -202,6 +202,16 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the waiting and running requests not computed yet."""
+        scheduler = self.scheduler
+        return sum(
+            max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+            for queue in (scheduler.waiting, scheduler.running)
+            for seq in queue
+        )
+
     # --------------------------------------------------------------------- time
 
     def advance_to(self, now: float) -> None:

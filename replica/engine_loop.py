@@ -22,12 +22,15 @@ class EngineLoop:
         engine: Engine,
         speedup: float = 1.0,
         clock: Callable[[], float] | None = None,
+        on_step: Callable[[], object] | None = None,
     ) -> None:
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.engine = engine
         self.speedup = speedup
         self._clock = clock
+        #: Called after every step's tokens are handed out (the KV event publisher).
+        self.on_step = on_step
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -92,3 +95,5 @@ class EngineLoop:
                     queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
+            if self.on_step is not None:
+                self.on_step()

@@ -28,15 +28,19 @@ from replica.service import Replica
 routes = APIRouter()
 
 
-def create_app(config: ReplicaConfig | None = None) -> FastAPI:
-    """The replica's ASGI app; its engine loop starts and stops with the app."""
+def create_app(
+    config: ReplicaConfig | None = None, kv_events_host: str | None = "127.0.0.1"
+) -> FastAPI:
+    """The replica's ASGI app; its engine loop starts and stops with the app, and so
+    does the publisher of its KV events on ZMQ, bound to ``kv_events_host`` (``None``:
+    no publisher; the events stay at ``GET /kv_events``)."""
     replica = Replica(config or ReplicaConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        replica.loop.start()
+        await replica.start(kv_events_host)
         yield
-        await replica.loop.stop()
+        await replica.stop()
 
     app = FastAPI(title="prefix-router replica", lifespan=lifespan)
     app.state.replica = replica

@@ -17,9 +17,10 @@ from replica.answers import Answer, AnswerSpec, ChoiceOutputs
 from replica.api import openai as api
 from replica.api.config import ReplicaConfig
 from replica.api.kv_events import KVEventPage
-from replica.api.stats import CacheFigures, ReplicaStats
+from replica.api.stats import CacheFigures, LoadReport, ReplicaStats
 from replica.engine import Engine, EngineConfig, EngineRequest
 from replica.engine_loop import EngineLoop
+from replica.kv_publisher import KVPublisher
 from replica.metrics import ReplicaMetrics
 
 
@@ -31,6 +32,7 @@ class Replica:
         self.engine = Engine(EngineConfig.for_replica(config))
         self.loop = EngineLoop(self.engine, config.speedup)
         self.metrics = ReplicaMetrics(self.engine, config.model)
+        self.publisher: KVPublisher | None = None
         self.requests = 0  # accepted since the last reset
         self.errors = 0  # refused since the last reset
 
@@ -98,6 +100,26 @@ class Replica:
             )
         return requests
 
+    async def start(self, host: str | None = None) -> None:
+        """Start stepping the engine and, given the server's host, publishing its events."""
+        self.loop.start()
+        if host is not None:
+            engine = self.engine
+            self.publisher = KVPublisher(
+                engine.cache.events, self.config.block_size, self._load, host
+            )
+            await self.publisher.start()
+            self.loop.on_step = self.publisher.flush
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+        if self.publisher is not None:
+            await self.publisher.stop()
+
+    def _load(self) -> LoadReport:
+        engine = self.engine
+        return LoadReport(engine.num_running, engine.num_waiting, engine.queued_prefill_tokens)
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
 
@@ -132,6 +154,7 @@ class Replica:
             preemptions=engine.scheduler.num_preemptions,
             steps=engine.num_steps,
             busy_s=engine.busy_s,
+            kv_events=self.publisher.endpoint if self.publisher else None,
         )
 
     def _cache_figures(self) -> CacheFigures:

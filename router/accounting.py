@@ -15,7 +15,7 @@ from router.admission import AdmissionQueue
 from router.backends import Backend, BackendPool
 from router.config import GatewayConfig
 from router.policies import Policy, ReplicaState, RoutingRequest
-from router.stats import BackendStats, GatewayStats, PolicyCounts, TenantStats
+from router.stats import BackendStats, GatewayStats, KVStreamStats, PolicyCounts, TenantStats
 
 
 @dataclass
@@ -110,4 +110,20 @@ class Accounting:
             upstream_errors=self.upstream_errors[state.replica_id],
             kv_events=backend.events_supported,
             healthy=backend.healthy,
+            kv_stream=_stream_stats(backend),
         )
+
+
+def _stream_stats(backend: Backend) -> KVStreamStats | None:
+    subscriber = backend.subscriber
+    if subscriber is None:
+        return None
+    state, latencies = subscriber.state, sorted(subscriber.state.latencies)
+
+    def percentile(q: float) -> float | None:
+        return latencies[min(int(q * len(latencies)), len(latencies) - 1)] if latencies else None
+
+    return KVStreamStats(
+        subscriber.endpoint.endpoint, state.batches, state.gaps, state.replayed,
+        state.resyncs, state.stale, percentile(0.5), percentile(0.99),
+    )  # fmt: skip

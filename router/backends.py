@@ -2,8 +2,10 @@
 
 A backend is any OpenAI-compatible server (ours, vLLM, SGLang) known by URL. The
 pool keeps one :class:`~router.policies.ReplicaState` per backend for the policy,
-one pooled ``aiohttp.ClientSession`` for all traffic, and, for backends that publish
-them (ours), a task that polls ``/kv_events`` and hands new events to the policy.
+one pooled ``aiohttp.ClientSession`` for all traffic, and a task per backend that
+follows its KV events: pushed on ZMQ in vLLM's format when the backend publishes
+them (ours say where in ``/stats``; a vLLM server's endpoint is given when it is
+added), else polled at ``/kv_events``, else none (only ``/health`` is probed).
 Backends can be added and removed while the gateway serves.
 """
 
@@ -17,8 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import zmq.asyncio
 
+from replica.api import stats as stats_codec
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
+from replica.api.stats import KVEventsEndpoint, LoadReport, ReplicaStats
+from router.kv_subscriber import KVSubscriber
 from router.policies import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -30,6 +36,11 @@ class Backend:
     state: ReplicaState
     last_event_seq: int = 0
     events_supported: bool = True
+    #: Its KV events pushed on ZMQ (given, or found in its ``/stats``), and the last
+    #: load it reported there.
+    kv_endpoint: KVEventsEndpoint | None = None
+    subscriber: KVSubscriber | None = field(default=None, repr=False)
+    reported_load: LoadReport | None = None
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
@@ -60,6 +71,7 @@ class BackendPool:
         self._health_interval = health_interval_s
         self._failure_threshold = failure_threshold
         self._backends: dict[str, Backend] = {}
+        self._zmq = zmq.asyncio.Context()
 
     @property
     def backends(self) -> list[Backend]:
@@ -82,6 +94,8 @@ class BackendPool:
     def _readmit(self, backend: Backend) -> None:
         backend.healthy, backend.failed_probes = True, 0
         backend.last_event_seq, backend.events_supported = 0, True  # it may have restarted
+        if backend.subscriber is not None:  # learn its cache again from the replay buffer
+            backend.subscriber.state.next_batch = None
         self._on_added(backend.state)
         log.warning("backend %s is healthy again", backend.url)
 
@@ -89,9 +103,14 @@ class BackendPool:
         return self._backends[state.replica_id]
 
     def add(
-        self, url: str, replica_id: str | None = None, capacity_blocks: int | None = None
+        self,
+        url: str,
+        replica_id: str | None = None,
+        capacity_blocks: int | None = None,
+        kv_endpoint: KVEventsEndpoint | None = None,
     ) -> Backend:
-        """Start routing to ``url`` (idempotent); its KV events are followed from now on."""
+        """Start routing to ``url`` (idempotent); its KV events are followed from now on
+        (``kv_endpoint``: where a vLLM server publishes them)."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
@@ -99,7 +118,8 @@ class BackendPool:
             if backend.url == url:
                 return backend
         name = replica_id or url
-        backend = Backend(url, ReplicaState(name, capacity_blocks or self._capacity))
+        state = ReplicaState(name, capacity_blocks or self._capacity)
+        backend = Backend(url, state, kv_endpoint=kv_endpoint)
         self._backends[name] = backend
         self._on_added(backend.state)
         backend._poller = asyncio.get_running_loop().create_task(self._watch(backend))
@@ -124,11 +144,47 @@ class BackendPool:
     async def close(self) -> None:
         for backend in list(self._backends.values()):
             await self.remove(backend.state.replica_id)
+        self._zmq.term()
 
     async def _watch(self, backend: Backend) -> None:
-        """Probe the backend for ever: follow its KV events (ours, every 50 ms) or its
-        ``/health`` (vLLM, SGLang); open its circuit after ``failure_threshold``
-        failed probes in a row, close it after one good probe."""
+        """Follow the backend for ever: subscribe to its pushed KV events if it has any,
+        then probe it (see :meth:`_probe`)."""
+        endpoint = backend.kv_endpoint or await self._discover(backend)
+        if endpoint is None:
+            await self._probe_forever(backend)
+            return
+        backend.kv_endpoint = endpoint
+        backend.subscriber = KVSubscriber(
+            endpoint,
+            on_events=lambda events: self._on_events(backend.state, events),
+            on_load=lambda report: setattr(backend, "reported_load", report),
+            context=self._zmq,
+        )
+        stream = asyncio.get_running_loop().create_task(backend.subscriber.run())
+        try:
+            await self._probe_forever(backend)
+        finally:
+            stream.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream
+
+    async def _discover(self, backend: Backend) -> KVEventsEndpoint | None:
+        """Where one of our replicas pushes its events (its ``/stats`` says)."""
+        try:
+            async with self.client.get(
+                f"{backend.url}/stats", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as response:
+                if response.status != 200:
+                    return None
+                return stats_codec.decode(ReplicaStats, await response.read()).kv_events
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None  # not one of ours, or not up yet: polled or probed instead
+
+    async def _probe_forever(self, backend: Backend) -> None:
+        """Open the backend's circuit after ``failure_threshold`` failed probes in a
+        row, close it after one good probe. A backend whose pushed events flow is alive
+        without asking; otherwise its ``/kv_events`` is polled every 50 ms (ours without
+        a push) or its ``/health`` probed (vLLM, SGLang, or a silent stream)."""
         while True:
             healthy = await self._probe(backend)
             if healthy:
@@ -139,14 +195,17 @@ class BackendPool:
                 backend.failed_probes += 1
                 if backend.failed_probes >= self._failure_threshold:
                     self.open_circuit(backend)
-            following = backend.healthy and backend.events_supported
+            following = backend.healthy and backend.events_supported and not backend.subscriber
             with contextlib.suppress(TimeoutError):
                 interval = self._interval if following else self._health_interval
                 await asyncio.wait_for(backend._probe_now.wait(), interval)
             backend._probe_now.clear()
 
     async def _probe(self, backend: Backend) -> bool:
-        if backend.healthy and backend.events_supported:
+        subscriber = backend.subscriber
+        if subscriber is not None and backend.healthy and not subscriber.state.stale:
+            return True  # its stream speaks at least every 50 ms
+        if subscriber is None and backend.healthy and backend.events_supported:
             return await self._follow_events(backend)
         try:
             async with self.client.get(

@@ -40,6 +40,8 @@ class BackendStats:
     kv_events: bool
     #: False while its circuit is open (no requests until a probe succeeds).
     healthy: bool
+    #: Its KV events pushed on ZMQ: the endpoint, and how the stream has gone.
+    kv_stream: KVStreamStats | None = None
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -48,6 +50,19 @@ class BackendStats:
     @property
     def actual_cached_tokens(self) -> int:
         return sum(counts.actual_cached_tokens for counts in self.by_policy.values())
+
+
+@dataclass(frozen=True)
+class KVStreamStats:
+    endpoint: str
+    batches: int
+    gaps: int
+    replayed: int
+    resyncs: int
+    stale: bool
+    #: Seconds from a batch's time stamp at the replica to its events in the index.
+    latency_p50_s: float | None
+    latency_p99_s: float | None
 
 
 @dataclass(frozen=True)

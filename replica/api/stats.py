@@ -49,6 +49,28 @@ class CacheFigures:
 
 
 @dataclass(frozen=True)
+class KVEventsEndpoint:
+    """Where a replica publishes its KV events and load (ZMQ, as vLLM's publisher)."""
+
+    endpoint: str  # PUB: (topic, 8-byte batch number, msgpack KVEventBatch)
+    replay_endpoint: str  # ROUTER: send a batch number, get the batches from it on
+    topic: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A replica's load, published at least every 50 ms and on change."""
+
+    running: int
+    waiting: int
+    #: Prompt tokens admitted or waiting that are not computed yet.
+    prefill_tokens: int
+    #: KV event batches published so far: a subscriber that has seen fewer has a gap
+    #: to replay, even while no new batch comes.
+    batches: int = 0
+
+
+@dataclass(frozen=True)
 class ReplicaStats:
     """One replica now: its configuration, what it served, its queues and its cache."""
 
@@ -65,6 +87,8 @@ class ReplicaStats:
     steps: int
     #: Simulated GPU seconds spent in steps.
     busy_s: float
+    #: Where it pushes its KV events and load (``None`` until its server started).
+    kv_events: KVEventsEndpoint | None = None
 
 
 def encode(value: Any) -> dict[str, Any]:
