@@ -1,25 +1,29 @@
 """A replica's KV events and load, pushed on ZMQ as vLLM's ``ZmqEventPublisher`` pushes them.
 
-Two sockets, bound to free ports of the replica's address:
+Three sockets, bound to free ports of the replica's address:
 
-- PUB: after every engine step that changed the cache, one ``KVEventBatch`` as the
-  multipart message (topic, 8-byte big-endian batch number, msgpack payload), in
-  vLLM's encoding (``replica/api/kv_wire.py``); and, at least every
-  ``load_interval_s`` and whenever it changes, the replica's load on the ``load``
-  topic (running and waiting requests, queued prefill tokens), which every gateway
-  combines with its own dispatches;
-- ROUTER: vLLM's replay socket. A subscriber that sees a gap sends the first batch
-  number it missed (8 bytes, big-endian) and receives every batch from there still in
-  the buffer, then an end marker (batch number -1, empty payload).
+- events (PUB), vLLM's stream and nothing else: after every engine step that changed
+  the cache, one ``KVEventBatch`` as the multipart message (topic, 8-byte big-endian
+  batch number, msgpack payload) in vLLM's encoding (``replica/api/kv_wire.py``);
+- load (PUB), our addition: the replica's :class:`LoadReport` as one msgpack frame,
+  sent when it changes and at least every ``load_interval_s`` with the number of
+  batches sent so far, so a subscriber notices a gap even while the cache is still.
+  It is the stream's heartbeat. One frame, so a subscriber can keep only the latest
+  (``ZMQ_CONFLATE``) and never wake for a heartbeat it does not need;
+- replay (ROUTER): vLLM's replay socket. A subscriber that missed batches sends the
+  first number it missed (8 bytes, big-endian) and receives every batch from there
+  still in the buffer, then an end marker (-1, empty payload).
 
-Gateways find the endpoints in the replica's ``/stats`` (``kv_events``).
+The engine loop writes the events and, on change, the load; a small thread sends the
+heartbeat and serves the replay. Gateways find the endpoints in the replica's
+``/stats`` (``kv_events``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
+import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,16 +31,12 @@ from dataclasses import replace
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from replica.api.kv_wire import encode_batch
 from replica.api.stats import KVEventsEndpoint, LoadReport
 from replica.event_log import EventLog
 
-log = logging.getLogger(__name__)
-
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-LOAD_TOPIC = b"load"
 
 
 class KVPublisher:
@@ -53,91 +53,114 @@ class KVPublisher:
     ) -> None:
         self._events, self._block_size, self._load = events, block_size, load
         self._host, self._topic = host, topic.encode()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._load_interval = load_interval_s
+        self._interval = load_interval_s
         self._clock = clock
-        self._context = zmq.asyncio.Context()
-        self._pub: zmq.asyncio.Socket | None = None
-        self._replay: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._context = zmq.Context()
+        self._events_pub = self._context.socket(zmq.PUB)
+        self._load_pub = self._context.socket(zmq.PUB)
+        #: The load socket is written by the loop (on change) and the thread (heartbeat).
+        self._load_lock = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._buffer_lock = threading.Lock()  # the loop appends, the thread replays
         self._published_seq = events.last_seq  # the event log's number, not the batch's
         self._next_batch = 0
-        self._next_load = 0
         self._last_load: LoadReport | None = None
+        self._load_frame = b""
+        self._running = False
+        self._thread: threading.Thread | None = None
         self.endpoint: KVEventsEndpoint | None = None
 
-    async def start(self) -> KVEventsEndpoint:
-        pub = self._pub = self._context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 100_000)
-        pub.setsockopt(zmq.LINGER, 0)
-        replay = self._replay = self._context.socket(zmq.ROUTER)
-        replay.setsockopt(zmq.LINGER, 0)
+    def start(self) -> KVEventsEndpoint:
         address = f"tcp://{self._host}"
-        pub_port = pub.bind_to_random_port(address)
+        for socket in (self._events_pub, self._load_pub):
+            socket.setsockopt(zmq.SNDHWM, 100_000)
+            socket.setsockopt(zmq.LINGER, 0)
+        events_port = self._events_pub.bind_to_random_port(address)
+        load_port = self._load_pub.bind_to_random_port(address)
+        replay = self._context.socket(zmq.ROUTER)
+        replay.setsockopt(zmq.LINGER, 0)
         replay_port = replay.bind_to_random_port(address)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._serve_replays()), loop.create_task(self._tick())]
         self.endpoint = KVEventsEndpoint(
-            f"{address}:{pub_port}", f"{address}:{replay_port}", self._topic.decode()
+            f"{address}:{events_port}",
+            f"{address}:{replay_port}",
+            self._topic.decode(),
+            f"{address}:{load_port}",
         )
+        self.publish_load()
+        self._running = True
+        # The replay socket is handed over before the thread starts and used only there.
+        self._thread = threading.Thread(
+            target=self._serve, args=(replay,), name="kv-publisher", daemon=True
+        )
+        self._thread.start()
         return self.endpoint
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for socket in (self._pub, self._replay):
-            if socket is not None:
-                socket.close(linger=0)
+    def stop(self) -> None:
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._events_pub.close(linger=0)
+        self._load_pub.close(linger=0)
         self._context.term()
 
+    # ----------------------------------------------------------------- the engine loop's
+
     def flush(self) -> None:
-        """Publish the events logged since the last batch (called after every step)."""
-        if self._pub is None or self._events.last_seq == self._published_seq:
-            self.publish_load(only_if_changed=True)
-            return
-        events, _ = self._events.since(self._published_seq)
-        self._published_seq = self._events.last_seq
-        payload = encode_batch(events, self._clock(), self._block_size)
-        seq = self._next_batch
-        self._next_batch += 1
-        self._buffer.append((seq, payload))
-        self._send((self._topic, seq.to_bytes(8, "big"), payload))
+        """Publish the events logged since the last batch (called after every step),
+        and the load if it changed."""
+        if self._events.last_seq != self._published_seq:
+            events, _ = self._events.since(self._published_seq)
+            self._published_seq = self._events.last_seq
+            payload = encode_batch(events, self._clock(), self._block_size)
+            seq = self._next_batch
+            with self._buffer_lock:
+                self._buffer.append((seq, payload))
+                self._next_batch += 1
+            with contextlib.suppress(zmq.Again):  # a full queue drops, as PUB does; gaps replay
+                self._events_pub.send_multipart(
+                    (self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                )
         self.publish_load(only_if_changed=True)
 
     def publish_load(self, only_if_changed: bool = False) -> None:
-        report = self._load()
+        report = replace(self._load(), batches=self._next_batch)
         if only_if_changed and report == self._last_load:
             return
         self._last_load = report
-        report = replace(report, batches=self._next_batch)
-        seq = self._next_load
-        self._next_load += 1
-        self._send((LOAD_TOPIC, seq.to_bytes(8, "big"), msgspec.msgpack.encode(report)))
+        with self._load_lock:
+            self._load_frame = msgspec.msgpack.encode(report)
+            self._send_load()
 
-    def _send(self, frames: tuple[bytes, bytes, bytes]) -> None:
-        assert self._pub is not None
-        with contextlib.suppress(zmq.Again):  # a full queue drops, as PUB does; gaps replay
-            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+    def _send_load(self) -> None:
+        with contextlib.suppress(zmq.Again):
+            self._load_pub.send(self._load_frame, flags=zmq.NOBLOCK)
 
-    async def _tick(self) -> None:
-        """The load at least every ``load_interval_s``: the heartbeat gateways watch."""
-        while True:
-            await asyncio.sleep(self._load_interval)
-            self.publish_load()
+    # ----------------------------------------------------------------- the thread's
 
-    async def _serve_replays(self) -> None:
-        assert self._replay is not None
-        while True:
-            frames = await self._replay.recv_multipart()
-            if len(frames) < 2:
-                continue
-            client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    await self._replay.send_multipart(
-                        (client, b"", seq.to_bytes(8, "big"), payload)
-                    )
-            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+    def _serve(self, replay: zmq.Socket) -> None:
+        """The heartbeat and the replay socket."""
+        poller = zmq.Poller()  # made once: ``socket.poll`` would make one per call
+        poller.register(replay, zmq.POLLIN)
+        try:
+            next_beat = time.monotonic() + self._interval
+            while self._running:
+                wait_ms = math.ceil(max(next_beat - time.monotonic(), 0) * 1000)
+                if poller.poll(wait_ms):
+                    self._replay(replay)
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self._interval
+                    with self._load_lock:
+                        self._send_load()
+        finally:
+            replay.close(linger=0)
+
+    def _replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) < 2:
+            return
+        client, start = frames[0], int.from_bytes(frames[-1], "big")
+        with self._buffer_lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        for seq, payload in batches:
+            replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))

@@ -108,13 +108,13 @@ class Replica:
             self.publisher = KVPublisher(
                 engine.cache.events, self.config.block_size, self._load, host
             )
-            await self.publisher.start()
+            self.publisher.start()
             self.loop.on_step = self.publisher.flush
 
     async def stop(self) -> None:
         await self.loop.stop()
         if self.publisher is not None:
-            await self.publisher.stop()
+            self.publisher.stop()
 
     def _load(self) -> LoadReport:
         engine = self.engine

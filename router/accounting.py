@@ -115,15 +115,15 @@ class Accounting:
 
 
 def _stream_stats(backend: Backend) -> KVStreamStats | None:
-    subscriber = backend.subscriber
-    if subscriber is None:
+    state = backend.stream
+    if state is None:
         return None
-    state, latencies = subscriber.state, sorted(subscriber.state.latencies)
+    latencies = sorted(state.latencies)
 
     def percentile(q: float) -> float | None:
         return latencies[min(int(q * len(latencies)), len(latencies) - 1)] if latencies else None
 
     return KVStreamStats(
-        subscriber.endpoint.endpoint, state.batches, state.gaps, state.replayed,
+        state.endpoint.endpoint, state.batches, state.gaps, state.replayed,
         state.resyncs, state.stale, percentile(0.5), percentile(0.99),
     )  # fmt: skip

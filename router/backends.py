@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import zmq.asyncio
 
 from replica.api import stats as stats_codec
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
-from replica.api.stats import KVEventsEndpoint, LoadReport, ReplicaStats
-from router.kv_subscriber import KVSubscriber
+from replica.api.stats import KVEventsEndpoint, ReplicaStats
+from router.kv_subscriber import KVStreams, StreamState
 from router.policies import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -39,8 +38,7 @@ class Backend:
     #: Its KV events pushed on ZMQ (given, or found in its ``/stats``), and the last
     #: load it reported there.
     kv_endpoint: KVEventsEndpoint | None = None
-    subscriber: KVSubscriber | None = field(default=None, repr=False)
-    reported_load: LoadReport | None = None
+    stream: StreamState | None = field(default=None, repr=False)
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
@@ -71,7 +69,7 @@ class BackendPool:
         self._health_interval = health_interval_s
         self._failure_threshold = failure_threshold
         self._backends: dict[str, Backend] = {}
-        self._zmq = zmq.asyncio.Context()
+        self._streams: KVStreams | None = None  # the thread following pushed events, if any
 
     @property
     def backends(self) -> list[Backend]:
@@ -94,8 +92,8 @@ class BackendPool:
     def _readmit(self, backend: Backend) -> None:
         backend.healthy, backend.failed_probes = True, 0
         backend.last_event_seq, backend.events_supported = 0, True  # it may have restarted
-        if backend.subscriber is not None:  # learn its cache again from the replay buffer
-            backend.subscriber.state.next_batch = None
+        if backend.stream is not None and self._streams is not None:
+            self._streams.relearn(backend)  # learn its cache again from the replay buffer
         self._on_added(backend.state)
         log.warning("backend %s is healthy again", backend.url)
 
@@ -137,6 +135,8 @@ class BackendPool:
             backend._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await backend._poller
+        if backend.stream is not None and self._streams is not None:
+            self._streams.forget(backend)
         if backend.healthy:  # an open circuit has already removed it from the policy
             self._on_removed(backend.state)
         return True
@@ -144,7 +144,8 @@ class BackendPool:
     async def close(self) -> None:
         for backend in list(self._backends.values()):
             await self.remove(backend.state.replica_id)
-        self._zmq.term()
+        if self._streams is not None:
+            await asyncio.to_thread(self._streams.close)
 
     async def _watch(self, backend: Backend) -> None:
         """Follow the backend for ever: subscribe to its pushed KV events if it has any,
@@ -154,19 +155,15 @@ class BackendPool:
             await self._probe_forever(backend)
             return
         backend.kv_endpoint = endpoint
-        backend.subscriber = KVSubscriber(
-            endpoint,
-            on_events=lambda events: self._on_events(backend.state, events),
-            on_load=lambda report: setattr(backend, "reported_load", report),
-            context=self._zmq,
+        backend.stream = self._kv_streams().follow(
+            backend, endpoint, on_events=lambda events: self._on_events(backend.state, events)
         )
-        stream = asyncio.get_running_loop().create_task(backend.subscriber.run())
-        try:
-            await self._probe_forever(backend)
-        finally:
-            stream.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stream
+        await self._probe_forever(backend)
+
+    def _kv_streams(self) -> KVStreams:
+        if self._streams is None:
+            self._streams = KVStreams(asyncio.get_running_loop().call_soon_threadsafe)
+        return self._streams
 
     async def _discover(self, backend: Backend) -> KVEventsEndpoint | None:
         """Where one of our replicas pushes its events (its ``/stats`` says)."""
@@ -195,17 +192,17 @@ class BackendPool:
                 backend.failed_probes += 1
                 if backend.failed_probes >= self._failure_threshold:
                     self.open_circuit(backend)
-            following = backend.healthy and backend.events_supported and not backend.subscriber
+            following = backend.healthy and backend.events_supported and not backend.stream
             with contextlib.suppress(TimeoutError):
                 interval = self._interval if following else self._health_interval
                 await asyncio.wait_for(backend._probe_now.wait(), interval)
             backend._probe_now.clear()
 
     async def _probe(self, backend: Backend) -> bool:
-        subscriber = backend.subscriber
-        if subscriber is not None and backend.healthy and not subscriber.state.stale:
+        stream = backend.stream
+        if stream is not None and backend.healthy and not stream.stale:
             return True  # its stream speaks at least every 50 ms
-        if subscriber is None and backend.healthy and backend.events_supported:
+        if stream is None and backend.healthy and backend.events_supported:
             return await self._follow_events(backend)
         try:
             async with self.client.get(

@@ -1,24 +1,35 @@
-"""One backend's KV events and load, pushed on ZMQ in vLLM's wire format, followed in order.
+"""Every backend's KV events and load, pushed on ZMQ in vLLM's wire format, followed in order.
 
-The subscriber applies every ``KVEventBatch`` in batch-number order. A gap (a batch
-number past the next expected, or a first batch past 0: the replica had a cache
-before we listened) is filled from the publisher's replay socket; what the replay
-cannot give any more is lost, so the replica's entries are dropped and the index
-starts over from the batches that follow (the replica's later events re-teach it).
-Silence longer than ``silence_s`` (the load heartbeat comes every 50 ms) marks the
-replica stale: its entries are dropped until it speaks again.
+One thread follows all the streams, so a quiet fleet costs the gateway almost
+nothing: it wakes when a backend's events socket has a batch (a ZMQ poller over one
+SUB socket per backend), and every ``load_read_s`` to read the latest load of each
+backend, which waits in a SUB socket that keeps only the newest message
+(``ZMQ_CONFLATE``): the heartbeats in between are dropped by ZMQ's I/O thread without
+waking Python, and one that did not change is recognised by its bytes. Decoded events
+are handed to the event loop in batch-number order (``deliver``); the index is only
+ever touched there.
+
+A gap (a batch number past the next expected, or batches that a load report said
+were sent and that have still not come by the next report) is filled from the
+publisher's replay socket; what the replay cannot give any more is lost, so the
+replica's entries are dropped and the index starts over from the batches that follow.
+Silence longer than ``silence_s`` marks the replica stale: its entries are dropped
+until it speaks again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from replica.api.kv_events import KVEvent
 from replica.api.kv_wire import decode_batch
@@ -26,14 +37,17 @@ from replica.api.stats import KVEventsEndpoint, LoadReport
 
 log = logging.getLogger(__name__)
 
-LOAD_TOPIC = b"load"
 END_SEQ = -1
+#: Runs ``fn(*args)`` where the index lives (``loop.call_soon_threadsafe`` in a gateway).
+Deliver = Callable[..., object]
 
 
 @dataclass
 class StreamState:
     """What a gateway knows of one replica's stream."""
 
+    endpoint: KVEventsEndpoint
+    on_events: Callable[[list[KVEvent]], None]
     next_batch: int | None = None  # the batch number expected next (None: none seen)
     batches: int = 0
     gaps: int = 0
@@ -41,125 +55,209 @@ class StreamState:
     resyncs: int = 0
     stale: bool = False
     last_heard: float = 0.0
+    load: LoadReport | None = None
     #: Seconds from a batch's time stamp at the replica to its events in the index.
     latencies: list[float] = field(default_factory=list)
+    _load_bytes: bytes = b""
+    _promised: int = 0  # batches the last load report said were sent
 
 
-class KVSubscriber:
+class KVStreams:
+    """The thread that follows every backend's stream (see the module docstring)."""
+
     def __init__(
         self,
-        endpoint: KVEventsEndpoint,
-        on_events: Callable[[list[KVEvent]], None],
-        on_load: Callable[[LoadReport], None],
-        context: zmq.asyncio.Context,
+        deliver: Deliver,
         silence_s: float = 1.0,
+        load_read_s: float = 0.05,
         clock: Callable[[], float] = time.time,
         keep_latencies: int = 10_000,
     ) -> None:
-        self.endpoint = endpoint
-        self._on_events, self._on_load = on_events, on_load
-        self._context = context
-        self._silence_s = silence_s
+        self._deliver = deliver
+        self._silence_s, self._load_read_s = silence_s, load_read_s
         self._clock = clock
         self._keep = keep_latencies
-        self.state = StreamState()
+        self._commands: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
+        #: Per backend: its events socket, its load socket and its state.
+        self._streams: dict[Any, tuple[zmq.Socket, zmq.Socket, StreamState]] = {}
+        self._by_socket: dict[zmq.Socket, StreamState] = {}
+        self._loads = zmq.Poller()  # the load sockets, asked without waiting
+        self._context = zmq.Context()
         self._load = msgspec.msgpack.Decoder(LoadReport)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-streams", daemon=True)
+        self._thread.start()
 
-    async def run(self) -> None:
-        """Follow the stream for ever (cancel the task to stop)."""
+    def follow(
+        self,
+        key: Any,
+        endpoint: KVEventsEndpoint,
+        on_events: Callable[[list[KVEvent]], None],
+        next_batch: int | None = None,
+    ) -> StreamState:
+        """Follow a backend's stream; ``on_events`` runs through ``deliver``. The state's
+        ``load`` is the latest load the backend reported. A follower that knows where it
+        stopped passes ``next_batch`` and is replayed what it missed; else it learns the
+        whole replay buffer."""
+        state = StreamState(endpoint, on_events, next_batch, last_heard=self._clock())
+        self._commands.put(("follow", key, state))
+        return state
+
+    def forget(self, key: Any) -> None:
+        self._commands.put(("forget", key, None))
+
+    def relearn(self, key: Any) -> None:
+        """Replay the backend's whole buffer again (its index entries were dropped)."""
+        self._commands.put(("relearn", key, None))
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self._context.term()
+
+    # ----------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        events = zmq.Poller()
+        next_read = 0.0
+        try:
+            while self._running:
+                self._obey(events)
+                wait_s = max(next_read - time.monotonic(), 0.0)
+                for socket, _ in events.poll(timeout=math.ceil(wait_s * 1000)):
+                    self._drain(socket)
+                if time.monotonic() >= next_read:
+                    next_read = time.monotonic() + self._load_read_s
+                    self._read_loads()
+                    self._watch_silence(self._clock())
+        finally:
+            for socket, load, _ in self._streams.values():
+                socket.close(linger=0)
+                load.close(linger=0)
+
+    def _obey(self, events: zmq.Poller) -> None:
+        while not self._commands.empty():
+            command, key, state = self._commands.get_nowait()
+            if command == "follow":
+                socket = self._subscriber(state.endpoint.endpoint, state.endpoint.topic.encode())
+                load = self._subscriber(state.endpoint.load_endpoint, b"", latest_only=True)
+                self._streams[key] = (socket, load, state)
+                self._by_socket[socket] = self._by_socket[load] = state
+                events.register(socket, zmq.POLLIN)
+                self._loads.register(load, zmq.POLLIN)
+            elif key in self._streams:
+                socket, load, state = self._streams[key]
+                if command == "relearn":
+                    state.next_batch = None
+                    continue
+                events.unregister(socket)
+                self._loads.unregister(load)
+                socket.close(linger=0)
+                load.close(linger=0)
+                del self._streams[key], self._by_socket[socket], self._by_socket[load]
+
+    def _subscriber(self, endpoint: str, topic: bytes, latest_only: bool = False) -> zmq.Socket:
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, 100_000)
-        socket.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
-        socket.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
-        socket.connect(self.endpoint.endpoint)
-        try:
-            while True:
-                if not await socket.poll(self._silence_s * 1000):
-                    self._silent()
-                    continue
-                topic, seq, payload = await socket.recv_multipart()
-                self.state.last_heard = self._clock()
-                if self.state.stale:
-                    self.state.stale = False
-                if topic == LOAD_TOPIC:
-                    report = self._load.decode(payload)
-                    await self._catch_up(report.batches)
-                    self._on_load(report)
-                else:
-                    await self._batch(int.from_bytes(seq, "big"), payload)
-        finally:
-            socket.close(linger=0)
+        if latest_only:
+            socket.setsockopt(zmq.CONFLATE, 1)
+        else:
+            socket.setsockopt(zmq.RCVHWM, 100_000)
+        socket.setsockopt(zmq.SUBSCRIBE, topic)
+        if endpoint:  # a foreign engine publishes no load
+            socket.connect(endpoint)
+        return socket
 
-    def _silent(self) -> None:
-        if not self.state.stale:
-            log.warning(
-                "KV events from %s went silent: dropping its entries", self.endpoint.endpoint
-            )
-            self.state.stale = True
-            self._resync()
+    def _drain(self, socket: zmq.Socket) -> None:
+        """Apply every batch waiting in a backend's events socket."""
+        state = self._by_socket[socket]
+        state.last_heard, state.stale = self._clock(), False
+        while int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = socket.recv_multipart()
+            if len(frames) == 3:
+                self._batch(state, int.from_bytes(frames[1], "big"), frames[2])
 
-    def _resync(self) -> None:
-        """Forget what the replica held: its later events teach it again."""
-        self.state.resyncs += 1
-        self._on_events([KVEvent(0, "cleared")])
+    def _read_loads(self) -> None:
+        for socket, _ in self._loads.poll(timeout=0):
+            state = self._by_socket[socket]
+            state.last_heard, state.stale = self._clock(), False
+            self._load_report(state, socket.recv())
 
-    async def _catch_up(self, published: int) -> None:
-        """The publisher says how many batches it sent: replay what we have not seen."""
-        expected = self.state.next_batch or 0
-        if published > expected:
-            self.state.gaps += 1
-            await self._replay(expected, published)
-            if self.state.next_batch != published:
-                self._resync()
-                self.state.next_batch = published
+    def _load_report(self, state: StreamState, payload: bytes) -> None:
+        """Take the backend's latest load; if batches it said before were sent have
+        still not come, they were lost: replay them."""
+        if payload != state._load_bytes:  # the same bytes as last time: nothing to decode
+            state._load_bytes = payload
+            state.load = self._load.decode(payload)
+        expected = state.next_batch or 0
+        if expected < state._promised:
+            self._gap(state, expected, state._promised)
+        state._promised = state.load.batches if state.load is not None else 0
 
-    async def _batch(self, seq: int, payload: bytes) -> None:
-        expected = self.state.next_batch
+    def _batch(self, state: StreamState, seq: int, payload: bytes) -> None:
+        expected = state.next_batch
         if expected is None and seq > 0:
             expected = 0  # we joined late: ask for what came before
         if expected is not None and seq < expected:
             return  # replayed already
         if expected is not None and seq > expected:
-            self.state.gaps += 1
-            await self._replay(expected, seq)
-            if self.state.next_batch != seq:  # the replay could not fill the gap
-                self._resync()
-        self._apply(seq, payload)
+            self._gap(state, expected, seq)
+        self._apply(state, seq, payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _gap(self, state: StreamState, start: int, until: int) -> None:
+        state.gaps += 1
+        self._replay(state, start, until)
+        if state.next_batch != until:  # the replay could not fill it
+            self._resync(state)
+            state.next_batch = until
+
+    def _apply(self, state: StreamState, seq: int, payload: bytes) -> None:
         try:
             ts, events, _ = decode_batch(payload)
         except ValueError as error:
-            log.warning(
-                "undecodable KV event batch %d from %s: %s", seq, self.endpoint.endpoint, error
-            )
+            log.warning("undecodable KV batch %d from %s: %s", seq, state.endpoint.endpoint, error)
             return
-        self._on_events(events)
-        self.state.next_batch = seq + 1
-        self.state.batches += 1
-        if ts and len(self.state.latencies) < self._keep:
-            self.state.latencies.append(self._clock() - ts)
+        state.next_batch = seq + 1
+        state.batches += 1
+        self._deliver(self._applied, state, events, ts)
 
-    async def _replay(self, start: int, until: int, timeout_s: float = 2.0) -> None:
-        """Apply batches ``start`` .. ``until - 1`` from the replay socket, in order; where
-        its buffer no longer holds one, drop the replica's entries and go on."""
+    def _applied(self, state: StreamState, events: list[KVEvent], ts: float) -> None:
+        """On the event loop: into the index, and how long that took since the replica."""
+        state.on_events(events)
+        if ts and len(state.latencies) < self._keep:
+            state.latencies.append(self._clock() - ts)
+
+    def _resync(self, state: StreamState) -> None:
+        """Forget what the replica held: its later events teach it again."""
+        state.resyncs += 1
+        self._deliver(state.on_events, [KVEvent(0, "cleared")])
+
+    def _watch_silence(self, now: float) -> None:
+        for *_, state in self._streams.values():
+            if not state.stale and now - state.last_heard > self._silence_s:
+                log.warning("KV events from %s went silent", state.endpoint.endpoint)
+                state.stale = True
+                self._resync(state)
+
+    def _replay(self, state: StreamState, start: int, until: int, timeout_s: float = 2.0) -> None:
+        """Apply batches ``start`` .. ``until - 1`` from the replay socket, in order;
+        where its buffer no longer holds one, drop the replica's entries and go on."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.endpoint.replay_endpoint)
+        socket.connect(state.endpoint.replay_endpoint)
         try:
-            await socket.send_multipart((b"", start.to_bytes(8, "big")))
-            while await socket.poll(timeout_s * 1000):
-                *_, seq_bytes, payload = await socket.recv_multipart()
+            socket.send_multipart((b"", start.to_bytes(8, "big")))
+            while socket.poll(int(timeout_s * 1000)):
+                *_, seq_bytes, payload = socket.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ:
                     return
-                expected = start if self.state.next_batch is None else self.state.next_batch
+                expected = start if state.next_batch is None else state.next_batch
                 if seq < expected or seq >= until:
                     continue
                 if seq > expected:  # batches the buffer no longer holds
-                    self._resync()
-                self._apply(seq, payload)
-                self.state.replayed += 1
+                    self._resync(state)
+                self._apply(state, seq, payload)
+                state.replayed += 1
         finally:
             socket.close(linger=0)

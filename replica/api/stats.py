@@ -55,6 +55,8 @@ class KVEventsEndpoint:
     endpoint: str  # PUB: (topic, 8-byte batch number, msgpack KVEventBatch)
     replay_endpoint: str  # ROUTER: send a batch number, get the batches from it on
     topic: str
+    #: PUB: the load on topic ``load`` at least every 50 ms, the stream's heartbeat.
+    load_endpoint: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """KV events pushed on ZMQ in vLLM's wire format: every encoding decodes, gaps are
 replayed, a late subscriber catches up, a silent stream goes stale."""
 
-import asyncio
+import threading
 import time
 from typing import Any
 
@@ -9,13 +9,12 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-import zmq.asyncio
 
 from deploy.processes import running
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
-from router.kv_subscriber import KVSubscriber
+from router.kv_subscriber import KVStreams, StreamState
 from router.prefix_index import IndexConfig, PrefixIndex
 from tests.shared import FakeClock, gateway_stats, replica_stats
 
@@ -143,47 +142,59 @@ def truth(url: str) -> tuple[set[int], set[int]]:
     return held(fresh)
 
 
-async def follow(subscriber: KVSubscriber, seconds: float) -> None:
-    task = asyncio.get_running_loop().create_task(subscriber.run())
-    await asyncio.sleep(seconds)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+class Follower:
+    """A :class:`KVStreams` whose events go into one index, under a lock (the test
+    reads the index from its own thread)."""
+
+    def __init__(self, silence_s: float = 1.0) -> None:
+        self.index, self.lock = index(), threading.Lock()
+        self.streams = KVStreams(self._deliver, silence_s=silence_s)
+
+    def _deliver(self, fn: Any, *args: Any) -> None:
+        with self.lock:
+            fn(*args)
+
+    def follow(self, endpoint: Any, next_batch: int | None = None) -> StreamState:
+        return self.streams.follow(
+            "r", endpoint, lambda e: self.index.apply_events("r", e), next_batch
+        )
+
+    def held(self) -> tuple[set[int], set[int]]:
+        with self.lock:
+            return held(self.index)
+
+
+@pytest.fixture
+def follower():
+    made = Follower()
+    yield made
+    made.streams.close()
 
 
 @pytest.mark.slow
-def test_a_subscriber_cut_off_mid_stream_replays_the_gap_and_loses_nothing():
+def test_a_follower_cut_off_mid_stream_replays_the_gap_and_loses_nothing(follower):
     with running(REPLICA) as (url,):
         endpoint = replica_stats(url).kv_events
         assert endpoint is not None and endpoint.endpoint.startswith("tcp://127.0.0.1:")
-        idx = index()
-
-        async def scenario() -> KVSubscriber:
-            context = zmq.asyncio.Context()
-            subscriber = KVSubscriber(
-                endpoint, lambda e: idx.apply_events("r", e), lambda _: None, context
-            )
-            runner = asyncio.get_running_loop().create_task(subscriber.run())
-            await asyncio.sleep(0.3)  # connected
-            for i in range(4):
-                await asyncio.to_thread(complete, url, i)
-            await asyncio.sleep(0.2)
-            runner.cancel()  # the connection dies mid-stream
-            await asyncio.gather(runner, return_exceptions=True)
-            for i in range(4, 12):  # published while nobody listened: evictions to the host too
-                await asyncio.to_thread(complete, url, i)
-            await follow(subscriber, 0.3)  # back: nothing new yet
-            await asyncio.to_thread(complete, url, 12)  # the next batch reveals the gap
-            await follow(subscriber, 1.0)
-            context.term()
-            return subscriber
-
-        subscriber = asyncio.run(scenario())
-        state = subscriber.state
-        assert state.gaps >= 1 and state.replayed > 0 and state.resyncs == 0
-        gpu, host = held(idx)
+        assert endpoint.load_endpoint.startswith("tcp://127.0.0.1:")
+        before = follower.follow(endpoint)
+        time.sleep(0.3)  # connected
+        for i in range(4):
+            complete(url, i)
+        time.sleep(0.2)
+        follower.streams.forget("r")  # the connection dies mid-stream
+        for i in range(4, 12):  # published while nobody listened: evictions to the host too
+            complete(url, i)
+        after = follower.follow(endpoint, next_batch=before.next_batch)
+        time.sleep(0.5)  # nothing new is published: the heartbeat reveals the gap
+        assert after.gaps == 1 and after.replayed > 0 and after.resyncs == 0
+        complete(url, 12)
+        time.sleep(0.3)
+        gpu, host = follower.held()
         assert (gpu, host) == truth(url)  # no entry lost, none stale
         assert set(keys(np.arange(12001, 12400))[:6]) <= gpu
         assert host  # the host tier's events came through the replay too
+        assert after.load is not None and after.load.batches == after.next_batch
 
 
 @pytest.mark.slow
@@ -211,33 +222,16 @@ def test_a_gateway_that_starts_late_learns_the_cache_from_the_replay_buffer():
 
 @pytest.mark.slow
 def test_a_silent_stream_goes_stale_and_its_entries_are_dropped():
-    idx = index()
-    with running(REPLICA) as (url,):
-        endpoint = replica_stats(url).kv_events
-        assert endpoint is not None
-        complete(url, 0)
-
-        async def listen() -> Any:
-            context = zmq.asyncio.Context()
-            subscriber = KVSubscriber(
-                endpoint, lambda e: idx.apply_events("r", e), lambda _: None, context, silence_s=0.3
-            )
-            task = asyncio.get_running_loop().create_task(subscriber.run())
-            await asyncio.sleep(0.5)
-            return subscriber, task, context
-
-        async def scenario() -> Any:
-            subscriber, task, context = await listen()
-            learned = len(held(idx)[0])
-            assert learned == 6 and not subscriber.state.stale
-            return subscriber, task, context, learned
-
-        loop = asyncio.new_event_loop()
-        subscriber, task, context, _ = loop.run_until_complete(scenario())
-    # The replica is gone: its stream falls silent.
-    loop.run_until_complete(asyncio.sleep(0.8))
-    assert subscriber.state.stale and held(idx) == (set(), set())
-    task.cancel()
-    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-    context.term()
-    loop.close()
+    follower = Follower(silence_s=0.3)
+    try:
+        with running(REPLICA) as (url,):
+            endpoint = replica_stats(url).kv_events
+            assert endpoint is not None
+            complete(url, 0)
+            state = follower.follow(endpoint)
+            time.sleep(0.5)
+            assert len(follower.held()[0]) == 6 and not state.stale
+        time.sleep(0.8)  # the replica is gone: its stream falls silent
+        assert state.stale and follower.held() == (set(), set())
+    finally:
+        follower.streams.close()
