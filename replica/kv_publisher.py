@@ -128,7 +128,7 @@ class KVPublisher:
             return
         self._last_load = report
         with self._load_lock:
-            self._load_frame = msgspec.msgpack.encode(report)
+            self._load_frame = msgspec.msgpack.encode(replace(report, ts=self._clock()))
             self._send_load()
 
     def _send_load(self) -> None:

@@ -7,7 +7,10 @@ them; the Prometheus metrics read the same counters at scrape time.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from router import load
@@ -19,7 +22,7 @@ from router.stats import BackendStats, GatewayStats, KVStreamStats, PolicyCounts
 
 
 @dataclass
-class TenantCounts:
+class RequestCounts:
     requests: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -34,20 +37,22 @@ class Accounting:
     """The gateway's counters. ``tolerance_tokens``: a prediction within this many
     cached tokens of the replica's figure counts as close (one router stride)."""
 
-    def __init__(self, tolerance_tokens: int) -> None:
+    def __init__(self, tolerance_tokens: int, wall_clock: Callable[[], float] = time.time) -> None:
         self.tolerance_tokens = tolerance_tokens
+        self._wall_clock = wall_clock  # dispatch times, compared with replicas' reports
         #: replica id -> policy name -> counts.
         self.by_backend: defaultdict[str, defaultdict[str, PolicyCounts]] = defaultdict(
             lambda: defaultdict(PolicyCounts)
         )
         self.upstream_errors: Counter[str] = Counter()
-        self.tenants: defaultdict[str, TenantCounts] = defaultdict(TenantCounts)
+        self.tenants: defaultdict[str, RequestCounts] = defaultdict(RequestCounts)
+        self.totals = RequestCounts()  # every request, with a tenant or not
         self.retries = 0
         #: Requests whose prompt the gateway could not read (routed by load alone).
         self.unread_prompts = 0
 
     def dispatched(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
-        load.dispatched(policy, request, replica)
+        load.dispatched(policy, request, replica, self._wall_clock())
         self.by_backend[replica.replica_id][policy.name].requests += 1
 
     def first_token(self, request: RoutingRequest, replica: ReplicaState) -> None:
@@ -65,8 +70,9 @@ class Accounting:
         load.completed(policy, request, replica)
         if failed:
             self.upstream_errors[replica.replica_id] += 1
+        self._count(self.totals, request.num_prompt_tokens, cached, failed)
         if request.tenant is not None:
-            self._count_tenant(request.tenant, request.num_prompt_tokens, cached, failed)
+            self._count(self.tenants[request.tenant], request.num_prompt_tokens, cached, failed)
         if cached is not None and request.predicted_cached_tokens is not None:
             counts = self.by_backend[replica.replica_id][policy.name]
             counts.predictions += 1
@@ -75,8 +81,8 @@ class Accounting:
             if abs(request.predicted_cached_tokens - cached) < self.tolerance_tokens:
                 counts.close_predictions += 1
 
-    def _count_tenant(self, tenant: str, prompt: int, cached: int | None, failed: bool) -> None:
-        counts = self.tenants[tenant]
+    @staticmethod
+    def _count(counts: RequestCounts, prompt: int, cached: int | None, failed: bool) -> None:
         counts.requests += 1
         counts.errors += failed
         if cached is not None:
@@ -95,6 +101,8 @@ class Accounting:
             config=config,
             backends=[self._backend_stats(backend) for backend in pool.backends],
             tenants={name: counts.stats() for name, counts in self.tenants.items()},
+            totals=self.totals.stats(),
+            pid=os.getpid(),
         )
 
     def _backend_stats(self, backend: Backend) -> BackendStats:
@@ -111,6 +119,8 @@ class Accounting:
             kv_events=backend.events_supported,
             healthy=backend.healthy,
             kv_stream=_stream_stats(backend),
+            load_requests=state.load_requests,
+            load_prefill_tokens=state.load_prefill_tokens,
         )
 
 

@@ -23,6 +23,7 @@ import aiohttp
 from replica.api import stats as stats_codec
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from replica.api.stats import KVEventsEndpoint, ReplicaStats
+from router import load
 from router.kv_subscriber import KVStreams, StreamState
 from router.policies import ReplicaState
 
@@ -156,7 +157,10 @@ class BackendPool:
             return
         backend.kv_endpoint = endpoint
         backend.stream = self._kv_streams().follow(
-            backend, endpoint, on_events=lambda events: self._on_events(backend.state, events)
+            backend,
+            endpoint,
+            on_events=lambda events: self._on_events(backend.state, events),
+            on_load=lambda report: load.reported(backend.state, report),
         )
         await self._probe_forever(backend)
 

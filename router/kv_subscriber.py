@@ -48,6 +48,8 @@ class StreamState:
 
     endpoint: KVEventsEndpoint
     on_events: Callable[[list[KVEvent]], None]
+    #: Runs through ``deliver`` with each new load report, and ``None`` when stale.
+    on_load: Callable[[LoadReport | None], None] | None = None
     next_batch: int | None = None  # the batch number expected next (None: none seen)
     batches: int = 0
     gaps: int = 0
@@ -93,13 +95,14 @@ class KVStreams:
         key: Any,
         endpoint: KVEventsEndpoint,
         on_events: Callable[[list[KVEvent]], None],
+        on_load: Callable[[LoadReport | None], None] | None = None,
         next_batch: int | None = None,
     ) -> StreamState:
         """Follow a backend's stream; ``on_events`` runs through ``deliver``. The state's
         ``load`` is the latest load the backend reported. A follower that knows where it
         stopped passes ``next_batch`` and is replayed what it missed; else it learns the
         whole replay buffer."""
-        state = StreamState(endpoint, on_events, next_batch, last_heard=self._clock())
+        state = StreamState(endpoint, on_events, on_load, next_batch, last_heard=self._clock())
         self._commands.put(("follow", key, state))
         return state
 
@@ -189,6 +192,8 @@ class KVStreams:
         if payload != state._load_bytes:  # the same bytes as last time: nothing to decode
             state._load_bytes = payload
             state.load = self._load.decode(payload)
+            if state.on_load is not None:
+                self._deliver(state.on_load, state.load)
         expected = state.next_batch or 0
         if expected < state._promised:
             self._gap(state, expected, state._promised)
@@ -238,6 +243,9 @@ class KVStreams:
                 log.warning("KV events from %s went silent", state.endpoint.endpoint)
                 state.stale = True
                 self._resync(state)
+                state.load, state._load_bytes = None, b""  # its next report is news
+                if state.on_load is not None:
+                    self._deliver(state.on_load, None)
 
     def _replay(self, state: StreamState, start: int, until: int, timeout_s: float = 2.0) -> None:
         """Apply batches ``start`` .. ``until - 1`` from the replay socket, in order;

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.accounting import Accounting, TenantCounts
+from router.accounting import Accounting, RequestCounts
 from router.admission import AdmissionQueue
 from router.backends import BackendPool
 from router.stats import PolicyCounts
@@ -21,8 +21,8 @@ BY_POLICY: tuple[tuple[str, str, Callable[[PolicyCounts], int]], ...] = (
     ("actual_cached_tokens", "Cached tokens the replicas reported.",
      lambda c: c.actual_cached_tokens),
 )  # fmt: skip
-#: ``prefix_router_tenant_*`` families, each read from ``TenantCounts``.
-BY_TENANT: tuple[tuple[str, str, Callable[[TenantCounts], int]], ...] = (
+#: ``prefix_router_tenant_*`` families, each read from ``RequestCounts``.
+BY_TENANT: tuple[tuple[str, str, Callable[[RequestCounts], int]], ...] = (
     ("requests", "Requests per tenant.", lambda c: c.requests),
     ("errors", "Failed requests per tenant.", lambda c: c.errors),
     ("prompt_tokens", "Prompt tokens per tenant.", lambda c: c.prompt_tokens),

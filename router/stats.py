@@ -42,6 +42,10 @@ class BackendStats:
     healthy: bool
     #: Its KV events pushed on ZMQ: the endpoint, and how the stream has gone.
     kv_stream: KVStreamStats | None = None
+    #: The load the policy balances on: the replica's last report (every gateway's
+    #: requests) plus this gateway's since; without reports, the outstanding ones.
+    load_requests: int = 0
+    load_prefill_tokens: int = 0
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -87,6 +91,10 @@ class GatewayStats:
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     #: Requests whose prompt the gateway could not read, routed by load alone.
     unread_prompts: int = 0
+    #: Every request it answered (or failed), and the cached tokens the replicas reported.
+    totals: TenantStats = field(default_factory=lambda: TenantStats(0, 0, 0, 0, None))
+    #: Its process: gateways sharing a port are told apart by it.
+    pid: int = 0
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

@@ -70,6 +70,9 @@ class LoadReport:
     #: KV event batches published so far: a subscriber that has seen fewer has a gap
     #: to replay, even while no new batch comes.
     batches: int = 0
+    #: When the load became this (the replica's wall clock): a gateway adds its own
+    #: requests dispatched since, which the replica may not have seen yet.
+    ts: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
+from replica.api.stats import LoadReport
 from router.prefix_index import IndexConfig
 
 Clock = Callable[[], float]
@@ -26,8 +27,12 @@ Clock = Callable[[], float]
 class ReplicaState:
     """What the router knows of one replica.
 
-    ``outstanding_prefill_tokens`` counts the tokens its dispatched requests still have
-    to prefill (their predicted uncached part), until their first token arrives.
+    ``outstanding_requests`` and ``outstanding_prefill_tokens`` are this router's own:
+    its requests in flight there, and the tokens they still have to prefill (their
+    predicted uncached part) until their first token arrives. Policies balance on
+    ``load_requests`` and ``load_prefill_tokens``: the replica's own last report, which
+    counts every gateway's requests, plus this router's requests dispatched since;
+    without reports (the replayer, a foreign engine), the router's own counts.
     """
 
     replica_id: str
@@ -35,6 +40,23 @@ class ReplicaState:
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     dispatched: int = 0
+    report: LoadReport | None = None
+    #: This router's requests in flight there, by id, and those dispatched after the report.
+    in_flight: dict[str, RoutingRequest] = field(default_factory=dict, repr=False)
+    requests_since_report: int = 0
+    prefill_tokens_since_report: int = 0
+
+    @property
+    def load_requests(self) -> int:
+        if self.report is None:
+            return self.outstanding_requests
+        return self.report.running + self.report.waiting + self.requests_since_report
+
+    @property
+    def load_prefill_tokens(self) -> int:
+        if self.report is None:
+            return self.outstanding_prefill_tokens
+        return self.report.prefill_tokens + self.prefill_tokens_since_report
 
 
 @dataclass(eq=False)
@@ -53,6 +75,8 @@ class RoutingRequest:
     tenant: str | None = None
     #: Dispatched and its prefill not yet done: its uncached tokens load the replica.
     prefilling: bool = field(default=False, repr=False)
+    #: When it was dispatched (wall clock, to compare with the replica's load reports).
+    dispatched_at: float = field(default=0.0, repr=False)
 
     @property
     def predicted_uncached_tokens(self) -> int:
@@ -154,8 +178,8 @@ class Policy:
         """Called with a replica's KV events (precise cache-aware routing uses them)."""
 
     def _least_loaded(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        low = min(r.outstanding_requests for r in replicas)
-        return self._pick([r for r in replicas if r.outstanding_requests == low])
+        low = min(r.load_requests for r in replicas)
+        return self._pick([r for r in replicas if r.load_requests == low])
 
     def _pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
         return replicas[int(self.rng.integers(len(replicas)))] if len(replicas) > 1 else replicas[0]

@@ -105,14 +105,14 @@ class CacheAware(IndexedPolicy):
 
     def _loads(self, replicas: Sequence[ReplicaState]) -> list[float]:
         config = self.config
-        mean = (sum(r.outstanding_requests for r in replicas) + 1) / len(replicas)
+        mean = (sum(r.load_requests for r in replicas) + 1) / len(replicas)
         cap = config.load_bound * mean  # the mean counts this request
         per_request, overflow = config.running_request_tokens, config.overflow_tokens
         loads = []
         for replica in replicas:
-            held = replica.outstanding_requests
+            held = replica.load_requests
             excess = held + 1 - cap
-            queued = replica.outstanding_prefill_tokens + per_request * held
+            queued = replica.load_prefill_tokens + per_request * held
             loads.append(queued + overflow * excess if excess > 0 else queued)
         return loads
 

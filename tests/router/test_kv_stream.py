@@ -156,7 +156,7 @@ class Follower:
 
     def follow(self, endpoint: Any, next_batch: int | None = None) -> StreamState:
         return self.streams.follow(
-            "r", endpoint, lambda e: self.index.apply_events("r", e), next_batch
+            "r", endpoint, lambda e: self.index.apply_events("r", e), next_batch=next_batch
         )
 
     def held(self) -> tuple[set[int], set[int]]:

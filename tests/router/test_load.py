@@ -34,3 +34,33 @@ def test_a_request_that_ends_before_its_first_token_releases_its_prefill_too():
         load.completed(pol, request, replica)
     assert (replica.outstanding_requests, replica.outstanding_prefill_tokens) == (0, 0)
     assert replica.dispatched == 3
+
+
+def test_a_replicas_report_plus_our_requests_since_is_the_load_balanced_on():
+    from replica.api.stats import LoadReport
+
+    replica, pol = ReplicaState("r", 64), policy()
+    early = RoutingRequest("early", 400, [1])
+    load.dispatched(pol, early, replica, now=10.0)
+    assert (replica.load_requests, replica.load_prefill_tokens) == (1, 400)  # no report: ours
+    # The replica saw ours and two of another gateway's requests, at 10.5.
+    load.reported(replica, LoadReport(running=2, waiting=1, prefill_tokens=900, ts=10.5))
+    assert (replica.load_requests, replica.load_prefill_tokens) == (3, 900)
+    late = RoutingRequest("late", 300, [2])
+    load.dispatched(pol, late, replica, now=10.6)  # not in the report: counted on top
+    assert (replica.load_requests, replica.load_prefill_tokens) == (4, 1200)
+    load.prefilled(late, replica)
+    load.prefilled(early, replica)  # in the report already: the next report tells
+    assert (replica.load_requests, replica.load_prefill_tokens) == (4, 900)
+    load.completed(pol, late, replica)
+    load.completed(pol, early, replica)
+    assert (replica.load_requests, replica.load_prefill_tokens) == (3, 900)
+    # A report older than a request still in flight counts it on top again.
+    again = RoutingRequest("again", 200, [3])
+    load.dispatched(pol, again, replica, now=11.0)
+    load.reported(replica, LoadReport(running=0, waiting=0, prefill_tokens=0, ts=10.9))
+    assert (replica.load_requests, replica.load_prefill_tokens) == (1, 200)
+    load.reported(replica, None)  # the stream went stale: our own counts again
+    assert (replica.load_requests, replica.load_prefill_tokens) == (1, 200)
+    load.completed(pol, again, replica)
+    assert replica.in_flight == {} and replica.outstanding_requests == 0
