@@ -47,24 +47,32 @@ def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, ReplicaConfi
     return gateway, replica
 
 
+ADDRESS_HELP = (
+    "the Ray cluster: auto (the one started on this machine) or the head's HOST:PORT; "
+    "with Ray's token authentication the token is read from ~/.ray or RAY_AUTH_TOKEN"
+)
+
+
 def add_cluster_parsers(commands: Any) -> None:
     up = commands.add_parser(
         "up",
-        help="deploy (or rescale) replicas and the gateway onto a `ray start` cluster",
-        description="Detached replica actors spread over the nodes, the gateway on the head node.",
+        help="deploy (or rescale) replicas and gateways onto a `ray start` cluster",
+        description="Detached replica actors spread over the nodes, and gateways, one per "
+        "node from the head node on.",
     )
-    up.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    up.add_argument("--address", default="auto", help=ADDRESS_HELP)
     up.add_argument("--replicas", type=int, default=4)
+    up.add_argument("--gateways", type=int, default=1, help="one per node (default: 1)")
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
-    up.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    up.add_argument("--port", type=int, default=8000, help="the gateways' port")
     add_fleet_flags(up)
     up.set_defaults(run=run_up)
     for name, text, run in (
-        ("status", "list the replicas: nodes, URLs, health, hit rates", run_status),
-        ("down", "remove the gateway and the replicas", run_down),
+        ("status", "list the gateways and replicas: nodes, URLs, health, hit rates", run_status),
+        ("down", "remove the gateways and the replicas", run_down),
     ):
         parser = commands.add_parser(name, help=text, description=text)
-        parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        parser.add_argument("--address", default="auto", help=ADDRESS_HELP)
         parser.set_defaults(run=run)
 
 
@@ -73,9 +81,12 @@ def run_up(args: argparse.Namespace) -> int:
 
     gateway, replica = fleet_configs(args)
     cluster.connect(args.address)
-    url, replicas = cluster.up(args.replicas, replica, gateway, args.host, args.port)
+    gateways, replicas = cluster.up(
+        args.replicas, replica, gateway, args.host, args.port, args.gateways
+    )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
-    print(f"gateway: {url}/v1")
+    for url in gateways:
+        print(f"gateway: {url}/v1")
     return 0
 
 
@@ -83,15 +94,16 @@ def run_status(args: argparse.Namespace) -> int:
     from deploy import cluster
 
     cluster.connect(args.address)
-    gateway, rows = cluster.status()
-    print(f"gateway: {gateway + '/v1' if gateway else 'not running'}")
-    print(f"{'replica':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}")
-    for row in rows:
+    gateways, replicas = cluster.status()
+    if not gateways:
+        print("gateway: not running")
+    print(f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}")
+    for row in [*gateways, *replicas]:
         rate = f"{row.token_hit_rate:.1%}" if row.token_hit_rate is not None else "-"
         health = "ok" if row.healthy else "DOWN"
         line = f"{row.name:<12} {row.node_id[:12]:<14} {row.url:<28} {health:<8}"
         print(f"{line} {row.requests or 0:>8} {rate:>8}")
-    return 0 if all(row.healthy for row in rows) else 1
+    return 0 if all(row.healthy for row in [*gateways, *replicas]) else 1
 
 
 def run_down(args: argparse.Namespace) -> int:
@@ -109,6 +121,14 @@ def add_serve_parser(commands: Any) -> None:
         description="Start a local Ray, N replica actors and the gateway; Ctrl-C stops all.",
     )
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes, routing as one (default: 1, in this process; more are "
+        "Ray actors sharing --port, or on --port, --port+1, ... with --separate-ports)",
+    )
+    parser.add_argument("--separate-ports", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_fleet_flags(parser)
@@ -119,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from deploy.local import serve
 
     gateway, replica = fleet_configs(args)
-    serve(args.replicas, replica, gateway, args.host, args.port)
+    serve(args.replicas, replica, gateway, args.host, args.port, args.gateways, args.separate_ports)
     return 0
 
 

@@ -1,15 +1,20 @@
 """``prefix-router serve``: the embedded default deployment, in the foreground.
 
-Starts a local Ray instance (bound to 127.0.0.1), N replica actors and the gateway in
-this process. Ctrl-C (or SIGTERM) stops the gateway, the actors and Ray, in that order.
+Starts a local Ray instance (bound to 127.0.0.1), N replica actors and the gateway:
+one in this process, or several as Ray actors (``deploy/gateways.py``) sharing the
+port or on consecutive ports. Ctrl-C (or SIGTERM) stops the gateways, the actors and
+Ray, in that order.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import ray
 
+from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.serving import serve_http
 from replica.actor import ReplicaActor
@@ -38,10 +43,12 @@ def serve(
     gateway: GatewayConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
+    gateways: int = 1,
+    separate_ports: bool = False,
 ) -> None:
     """Run until interrupted; everything started here is stopped on the way out."""
-    if replicas < 1:
-        raise ValueError("serve needs at least one replica")
+    if replicas < 1 or gateways < 1:
+        raise ValueError("serve needs at least one replica and one gateway")
     start_local_ray()
     actors = []
     try:
@@ -51,10 +58,24 @@ def serve(
         ]
         urls = ray.get([actor.url.remote() for actor in actors])
         print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
-        print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
-        app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
-        serve_http(app, host, port)
+        if gateways == 1:
+            print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
+            serve_http(create_app(gateway, ray_replica_prefix=REPLICA_PREFIX), host, port)
+            return
+        ports = [port + i if separate_ports else port for i in range(gateways)]
+        fronts, gateway_actors = start_gateways(gateway, host, ports)
+        actors += gateway_actors  # held until the end: an actor lives as long as its handle
+        for url in fronts:
+            print(f"gateway: {url}/v1 (policy {gateway.policy})", flush=True)
+        _wait_for_a_signal()
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
         ray.shutdown()
+
+
+def _wait_for_a_signal() -> None:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()

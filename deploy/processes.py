@@ -20,6 +20,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, attempts: int = 100) -> int:
+    """The first of ``count`` consecutive free loopback ports."""
+    for _ in range(attempts):
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def wait_until(
     url: str,
     process: subprocess.Popen,

@@ -7,9 +7,11 @@ client's, the replicas' and the gateway's into one row (DESIGN.md section 7). Be
 each live row stands the offline replay's prediction for the same workload and fleet.
 
 Targets: the embedded deployment (default: ``prefix-router serve`` in a subprocess,
-stopped at the end), the gateway that ``prefix-router up`` put on a ``ray start``
+stopped at the end), the gateways that ``prefix-router up`` put on a ``ray start``
 cluster (``--address auto``), or any gateway or OpenAI-compatible server
-(``--gateway URL``).
+(``--gateway URL``). Given several gateways (``--gateways N`` embedded, or several
+URLs), each request goes to one of them at random, and every gateway is switched
+and counted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -99,50 +102,59 @@ class BenchConfig:
 
 
 @contextlib.contextmanager
-def embedded(replicas: int, replica_flags: Sequence[str] = ()) -> Iterator[str]:
-    """``prefix-router serve`` (local Ray, N replica actors, gateway) for the bench."""
-    port = processes.free_port()
-    command = ["serve", "--replicas", str(replicas), *replica_flags]
+def embedded(
+    replicas: int, replica_flags: Sequence[str] = (), gateways: int = 1
+) -> Iterator[list[str]]:
+    """``prefix-router serve`` (local Ray, N replica actors, gateways on consecutive
+    ports) for the bench; the gateways' URLs."""
+    port = processes.free_ports(gateways)
+    command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways),
+               "--separate-ports", *replica_flags]  # fmt: skip
     process = processes.start(command, port)
-    url = f"http://127.0.0.1:{port}"
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(gateways)]
     try:
-        processes.wait_until(
-            url,
-            process,
-            ready=lambda r: r.status_code == 200 and len(r.json()["backends"]) == replicas,
-            path="/stats",
-            timeout_s=180,
-        )
-        yield url
+        for url in urls:
+            processes.wait_until(
+                url,
+                process,
+                ready=lambda r: r.status_code == 200 and len(r.json()["backends"]) == replicas,
+                path="/stats",
+                timeout_s=180,
+            )
+        yield urls
     finally:
         processes.stop(process)
 
 
-def cluster_gateway(address: str) -> str:
-    """The URL of the gateway ``prefix-router up`` deployed on the cluster at ``address``."""
+def cluster_gateways(address: str) -> list[str]:
+    """The URLs of the gateways ``prefix-router up`` deployed on the cluster at ``address``."""
     import ray
 
     from deploy import cluster
 
     cluster.connect(address)
     try:
-        gateway, _ = cluster.status()
+        gateways, _ = cluster.status()
     finally:
         ray.shutdown()
-    if gateway is None:
+    if not gateways:
         raise ValueError(f"no prefix-router gateway on the cluster at {address}: run `up` first")
-    return gateway
+    return sorted({row.url for row in gateways})  # gateways sharing a node's port: one URL
 
 
 @dataclass
 class Fleet:
-    """What the bench knows of its target: the gateway's stats if it is ours (it can
-    switch policy and name its replicas), and each replica's configuration by URL
-    (``None`` for a server that is not one of ours)."""
+    """What the bench knows of its target: the (first) gateway's stats if they are ours
+    (they can switch policy and name their replicas), and each replica's configuration
+    by URL (``None`` for a server that is not one of ours)."""
 
-    gateway: str
+    gateways: list[str]
     stats: GatewayStats | None
     replicas: dict[str, ReplicaConfig | None]
+
+    @property
+    def gateway(self) -> str:
+        return self.gateways[0]
 
     @property
     def ours(self) -> bool:
@@ -170,12 +182,13 @@ class Fleet:
         )
 
 
-def discover(client: httpx.Client, gateway: str) -> Fleet:
-    stats = gateway_stats(client, gateway)
-    if stats is None:  # not our gateway: one server (ours, vLLM, SGLang) or another router
-        return Fleet(gateway, None, {gateway: _replica_config(client, gateway)})
+def discover(client: httpx.Client, gateways: list[str]) -> Fleet:
+    every = [gateway_stats(client, url) for url in gateways]
+    stats = every[0]
+    if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
+        return Fleet(gateways, None, {url: _replica_config(client, url) for url in gateways})
     urls = [b.url for b in stats.backends]
-    return Fleet(gateway, stats, {url: _replica_config(client, url) for url in urls})
+    return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls})
 
 
 def gateway_stats(client: httpx.Client, url: str) -> GatewayStats | None:
@@ -230,9 +243,10 @@ def _post_status(client: httpx.Client, url: str) -> int:
 
 
 def switch_policy(client: httpx.Client, fleet: Fleet, policy: str) -> None:
-    response = client.post(f"{fleet.gateway}/admin/policy", json={"policy": policy})
-    if response.status_code != 200:
-        raise ValueError(f"the gateway refused policy {policy!r}: {response.text}")
+    for gateway in fleet.gateways:
+        response = client.post(f"{gateway}/admin/policy", json={"policy": policy})
+        if response.status_code != 200:
+            raise ValueError(f"gateway {gateway} refused policy {policy!r}: {response.text}")
 
 
 @dataclass
@@ -247,11 +261,12 @@ class LocustRun:
     cpu_busy_peak: float
 
 
-def locust_command(config: BenchConfig, gateway: str, prefix: Path) -> list[str]:
+def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> list[str]:
     command = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "-u", str(config.users), "-r", str(config.users), "-t", f"{config.run_time_s:.0f}s",
-        "--host", gateway, "--csv", str(prefix), "--results-file", f"{prefix}_client.json",
+        "--host", gateways[0], "--gateways", ",".join(gateways),
+        "--csv", str(prefix), "--results-file", f"{prefix}_client.json",
         "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10",
         "--workload", config.workload, "--workload-seed", str(config.seed),
         "--model", config.model,
@@ -279,7 +294,7 @@ def run_locust(
         httpx.Client(timeout=5.0) as client,
     ):
         process = subprocess.Popen(
-            locust_command(config, fleet.gateway, prefix), stdout=output, stderr=output
+            locust_command(config, fleet.gateways, prefix), stdout=output, stderr=output
         )
         seen = _dispatched(client, fleet)
         while process.poll() is None:
@@ -297,8 +312,8 @@ def run_locust(
 
 
 def _dispatched(client: httpx.Client, fleet: Fleet) -> int:
-    stats = gateway_stats(client, fleet.gateway) if fleet.ours else None
-    return sum(b.dispatched for b in stats.backends) if stats else 0
+    every = [gateway_stats(client, url) for url in fleet.gateways] if fleet.ours else []
+    return sum(b.dispatched for stats in every if stats for b in stats.backends)
 
 
 def _locust_counts(path: Path) -> tuple[int, int]:
@@ -313,16 +328,16 @@ def _locust_counts(path: Path) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The gateway's and the replicas' statistics at one moment (``None``: not ours)."""
+    """The gateways' and the replicas' statistics at one moment (none: not ours)."""
 
-    gateway: GatewayStats | None
+    gateways: list[GatewayStats]
     replicas: list[ReplicaStats]
 
 
 def snapshot(client: httpx.Client, fleet: Fleet) -> Snapshot:
-    gateway = gateway_stats(client, fleet.gateway) if fleet.ours else None
+    gateways = [gateway_stats(client, url) for url in fleet.gateways] if fleet.ours else []
     replicas = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
-    return Snapshot(gateway, [r for r in replicas if r is not None])
+    return Snapshot([g for g in gateways if g], [r for r in replicas if r is not None])
 
 
 def live_row(
@@ -393,19 +408,27 @@ def _client_hit_figures(client: dict[str, Any]) -> Row:
 
 
 def _gateway_requests(before: Snapshot, after: Snapshot) -> list[int]:
-    now = [b.dispatched for b in after.gateway.backends] if after.gateway else []
-    then = [b.dispatched for b in before.gateway.backends] if before.gateway else []
-    return [a - b for a, b in zip(now, then, strict=False)] if len(now) == len(then) else now
+    """Requests the gateways sent each replica during the run."""
+
+    def by_replica(snap: Snapshot) -> Counter[str]:
+        return Counter({b.replica_id: b.dispatched for g in snap.gateways for b in g.backends})
+
+    now, then = by_replica(after), by_replica(before)
+    return [now[replica] - then[replica] for replica in sorted(now)]
 
 
 def live_prediction_accuracy(before: Snapshot, after: Snapshot, policy: str) -> float | None:
     """Share of this run's predictions within one router stride of the engine's figure."""
-    if before.gateway is None or after.gateway is None:
+    if not before.gateways or not after.gateways:
         return None
-    then, now = before.gateway.by_policy(policy), after.gateway.by_policy(policy)
-    made = sum(c.predictions for c in now) - sum(c.predictions for c in then)
-    close = sum(c.close_predictions for c in now) - sum(c.close_predictions for c in then)
-    return close / made if made > 0 else None
+
+    def counts(snap: Snapshot) -> tuple[int, int]:
+        every = [c for g in snap.gateways for c in g.by_policy(policy)]
+        return sum(c.predictions for c in every), sum(c.close_predictions for c in every)
+
+    (made_then, close_then), (made_now, close_now) = counts(before), counts(after)
+    made = made_now - made_then
+    return (close_now - close_then) / made if made > 0 else None
 
 
 def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) -> Row | None:
@@ -440,16 +463,16 @@ def add_prediction(row: Row, predicted: Row | None) -> None:
 # ------------------------------------------------------------------- the comparison
 
 
-def compare(config: BenchConfig, gateway: str, out: Path) -> tuple[list[Row], Fleet]:
-    """Every policy in turn against ``gateway``; one row each, with the replay's view."""
+def compare(config: BenchConfig, gateways: list[str], out: Path) -> tuple[list[Row], Fleet]:
+    """Every policy in turn against ``gateways``; one row each, with the replay's view."""
     out.mkdir(parents=True, exist_ok=True)
     workload = config.load()
     with httpx.Client(timeout=30.0) as client:
-        fleet = discover(client, gateway)
+        fleet = discover(client, gateways)
         if not fleet.ours and len(config.policies) > 1:
             raise ValueError(
-                f"{gateway} is not a prefix-router gateway, so the bench cannot switch its "
-                "policy: pass one --policies NAME, a label for how it routes"
+                f"{', '.join(gateways)}: not a prefix-router gateway, so the bench cannot "
+                "switch its policy: pass one --policies NAME, a label for how it routes"
             )
         rows = []
         for policy in config.policies:

@@ -55,9 +55,19 @@ def add_bench_parser(commands: Any) -> None:
     )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--address", help="a Ray cluster with `prefix-router up` (e.g. auto)")
-    target.add_argument("--gateway", metavar="URL", help="any gateway or OpenAI-compatible server")
+    target.add_argument(
+        "--gateway",
+        metavar="URL[,URL...]",
+        help="any gateway or OpenAI-compatible server; several: requests spread at random",
+    )
     parser.add_argument(
         "--replicas", type=int, default=4, help="embedded deployment's replicas (default: 4)"
+    )
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="embedded deployment's gateways, requests spread at random (default: 1)",
     )
     parser.add_argument(
         "--policies",
@@ -99,9 +109,9 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     out = Path(args.out)
-    with _target(args) as (gateway, description):
+    with _target(args) as (gateways, description):
         print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)
-        rows, fleet = bench.compare(config, gateway, out)
+        rows, fleet = bench.compare(config, gateways, out)
     meta = {
         "seed": config.seed,
         "command": command_line(),
@@ -121,17 +131,25 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
     if args.gateway:
-        yield args.gateway.rstrip("/"), f"gateway {args.gateway}"
+        urls = [url.rstrip("/") for url in args.gateway.split(",") if url]
+        yield urls, f"{_gateways_text(urls)}"
     elif args.address:
-        url = bench.cluster_gateway(args.address)
-        yield url, f"Ray cluster {args.address}, gateway {url}"
+        urls = bench.cluster_gateways(args.address)
+        yield urls, f"Ray cluster {args.address}, {_gateways_text(urls)}"
     else:
         flags = _replica_flags(args)
-        print(f"bench: starting {args.replicas} replicas and the gateway…", file=sys.stderr)
-        with bench.embedded(args.replicas, flags) as url:
-            yield url, f"embedded deployment, {args.replicas} replicas, gateway {url}"
+        print(f"bench: starting {args.replicas} replicas, {args.gateways} gateway(s)…",
+              file=sys.stderr)  # fmt: skip
+        with bench.embedded(args.replicas, flags, args.gateways) as urls:
+            yield urls, f"embedded deployment, {args.replicas} replicas, {_gateways_text(urls)}"
+
+
+def _gateways_text(urls: list[str]) -> str:
+    if len(urls) == 1:
+        return f"gateway {urls[0]}"
+    return f"{len(urls)} gateways ({', '.join(urls)}), requests spread at random"
 
 
 def _replica_flags(args: argparse.Namespace) -> list[str]:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import gevent
+import numpy as np
 from locust import HttpUser, constant, events, task
 from locust.env import Environment
 
@@ -53,6 +54,12 @@ def add_options(parser: Any) -> None:
         env_var="PR_ARRIVAL_RATE",
         help="open loop: new sessions per second, whatever the answers' pace (0: closed loop; "
         "traces keep their timestamps); run enough users to cover the concurrency",
+    )
+    group.add_argument(
+        "--gateways",
+        default="",
+        env_var="PR_GATEWAYS",
+        help="comma-separated base URLs: each request goes to one at random (default: --host)",
     )
     group.add_argument("--model", default=DEFAULT_MODEL, env_var="PR_MODEL")
     group.add_argument(
@@ -125,6 +132,8 @@ class Tally:
 SESSIONS: Sessions | None = None
 TALLY = Tally()
 TEST_START = [0.0]  # monotonic time the test started (open loop schedules from it)
+FRONTS: list[list[str]] = [[]]  # the gateways requests are spread over (--gateways)
+RNG = np.random.default_rng(0)  # which gateway: seeded, so runs repeat
 
 
 @events.test_start.add_listener
@@ -147,6 +156,7 @@ def load_sessions(environment: Environment, **_: Any) -> None:
     elif options.trace_limit:
         overrides = {"limit": options.trace_limit}
     SESSIONS = Sessions(load_workload(options.workload, overrides))
+    FRONTS[0] = [url.rstrip("/") for url in options.gateways.split(",") if url]
 
 
 @events.quitting.add_listener
@@ -211,7 +221,7 @@ class ChatSessionUser(HttpUser):
         last = start
         tokens = 0
         with self.client.post(
-            path, json=body, stream=True, catch_response=True, name=name
+            self.front() + path, json=body, stream=True, catch_response=True, name=name
         ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -243,6 +253,12 @@ class ChatSessionUser(HttpUser):
         self._report("TTFT", name, (first - start) * 1000)
         if tokens > 1:
             self._report("ITL", name, (last - first) * 1000 / (tokens - 1))
+
+    def front(self) -> str:
+        """The gateway for the next request: one of ``--gateways`` at random, else the
+        host's (an empty prefix)."""
+        fronts = FRONTS[0]
+        return fronts[int(RNG.integers(len(fronts)))] if fronts else ""
 
     def _report(self, kind: str, name: str, milliseconds: float) -> None:
         self.environment.events.request.fire(

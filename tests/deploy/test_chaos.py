@@ -63,7 +63,7 @@ async def chaos(url: str, victim: BackendStats, pid: int) -> tuple[list[int], di
 
 
 def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
-    with embedded(4, ["--replica-speedup", "1"]) as url:
+    with embedded(4, ["--replica-speedup", "1"]) as (url,):
         victim = gateway_stats(url).backends[1]
         pid = replica_stats(victim.url).pid
         statuses, seen = asyncio.run(chaos(url, victim, pid))

@@ -33,15 +33,17 @@ def ray_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[None]:
-    """`ray start --head` for this module; `ray stop` however the tests end."""
+def head() -> Iterator[str]:
+    """`ray start --head` for this module (token authentication on, Ray's default);
+    its address; `ray stop` however the tests end."""
+    port = free_port()
     started = ray_cli(
-        "start", "--head", "--port", str(free_port()), "--num-cpus", "2",
+        "start", "--head", "--port", str(port), "--num-cpus", "2",
         "--include-dashboard", "false", "--disable-usage-stats",
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     try:
-        yield
+        yield f"127.0.0.1:{port}"
     finally:
         ray_cli("stop", "--force")
 
@@ -78,10 +80,13 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
                 max_tokens=3,
             )
         assert reply.usage.prompt_tokens_details.cached_tokens > 200
-        status = prefix_router("status", "--address", "auto")
+        # The head named as an operator on another node would: Ray's token is used.
+        status = prefix_router("status", "--address", head)
         assert status.returncode == 0, status.stderr
         lines = [line for line in status.stdout.splitlines() if line.startswith("replica-")]
         assert len(lines) == 2 and all(" ok " in line for line in lines)
+        (front,) = [line for line in status.stdout.splitlines() if line.startswith("gateway-0")]
+        assert gateway in front and " ok " in front and front.split()[-2] == "2"  # requests
         first_url = lines[0].split()[2]
 
         bigger = prefix_router("up", "--address", "auto", "--replicas", "3", "--port", str(port))
@@ -101,6 +106,14 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
     after = prefix_router("status", "--address", "auto")
     assert "gateway: not running" in after.stdout
     assert not [line for line in after.stdout.splitlines() if line.startswith("replica-")]
+
+
+def test_a_wrong_authentication_token_is_named_as_the_problem(head):
+    wrong = {**LOOPBACK, "RAY_AUTH_TOKEN": "0" * 32}
+    command = [sys.executable, "-m", "deploy.cli", "status", "--address", head]
+    done = subprocess.run(command, capture_output=True, text=True, env=wrong, timeout=120)
+    assert done.returncode == 2
+    assert f"the Ray cluster at {head} refused this machine's authentication token" in done.stderr
 
 
 def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
@@ -126,7 +139,7 @@ def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
         prefix_router("down", "--address", "auto")
 
 
-def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
+def test_replicas_and_two_gateways_spread_over_the_nodes_of_a_two_node_cluster():
     two_nodes = Cluster(
         initialize_head=True,
         head_node_args={
@@ -139,17 +152,25 @@ def test_replicas_spread_over_the_nodes_of_a_two_node_cluster():
     try:
         two_nodes.wait_for_nodes()
         ray.init(address=two_nodes.address, namespace=NAMESPACE, log_to_driver=False)
-        url, _ = cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), port=free_port())
-        _, rows = cluster.status()
-        assert len({row.node_id for row in rows}) == 2, rows
-        assert all(row.healthy for row in rows)
-        assert (
-            httpx.post(
-                url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
-            ).status_code
-            == 200
-        )
-        assert cluster.down() == 3
+        with pytest.raises(ValueError, match="one gateway per node, and the cluster has 2"):
+            cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), gateways=3)
+        port = free_port()
+        urls, _ = cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), port=port, gateways=2)
+        gateways, replicas = cluster.status()
+        assert len({row.node_id for row in replicas}) == 2, replicas
+        assert len({row.node_id for row in gateways}) == 2, gateways
+        assert all(row.healthy for row in [*gateways, *replicas])
+        # Both nodes are this machine: the two gateways share the port, and new
+        # connections are spread over them.
+        assert urls == [f"http://127.0.0.1:{port}"] * 2
+        for _ in range(20):
+            answer = httpx.post(
+                urls[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+            )
+            assert answer.status_code == 200
+        gateways, _ = cluster.status()
+        assert all(row.requests for row in gateways), gateways  # both served
+        assert cluster.down() == 4
     finally:
         ray.shutdown()
         two_nodes.shutdown()

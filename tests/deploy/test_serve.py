@@ -60,3 +60,46 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
             break
         time.sleep(0.2)
     assert ray_processes() <= before, "serve left a Ray instance running"
+
+
+def test_serve_with_two_gateways_shares_one_port_between_two_processes():
+    before = ray_processes()
+    port = free_port()
+    command = [
+        sys.executable, "-m", "deploy.cli", "serve", "--replicas", "2", "--gateways", "2",
+        "--port", str(port), "--replica-speedup", "20",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(url, process, timeout_s=120)
+        pids: set[int] = set()
+        for _ in range(40):  # a new connection each time: the kernel spreads them
+            stats = httpx.get(url + "/stats").json()
+            if len(stats["backends"]) == 2:
+                pids.add(stats["pid"])
+            if len(pids) == 2:
+                break
+            time.sleep(0.1)
+        assert len(pids) == 2 and process.pid not in pids  # two gateway actors, each ready
+        for question in ("first?", "second?", "third?"):
+            reply = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "Two gateways, one port. " * 40 + question, "max_tokens": 2},
+                timeout=60,
+            )
+            assert reply.status_code == 200
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, process.stderr.read() if process.stderr else ""
+    for _ in range(50):
+        if ray_processes() <= before:
+            break
+        time.sleep(0.2)
+    assert ray_processes() <= before, "serve left a Ray instance running"

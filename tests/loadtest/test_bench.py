@@ -89,13 +89,18 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
 
 
 @pytest.mark.ray
-def test_bench_runs_its_own_embedded_deployment_and_stops_it(tmp_path):
+def test_bench_runs_its_own_embedded_deployment_with_two_gateways_and_stops_it(tmp_path):
     done = bench(
-        tmp_path, "--replicas", "2", "--replica-speedup", "4", "--policies", "cache_aware",
-        "--no-replay",
+        tmp_path, "--replicas", "2", "--gateways", "2", "--replica-speedup", "4",
+        "--policies", "cache_aware", "--no-replay",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    check_report(tmp_path, ["cache_aware"], replayed=False)
+    (row,) = check_report(tmp_path, ["cache_aware"], replayed=False)
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    assert "2 gateways" in meta["target"] and "requests spread at random" in meta["target"]
+    # Both gateways routed (the replicas counted every request; the gateways' own
+    # prediction counts come from both).
+    assert row["prediction_accuracy"] is not None
     leftover = subprocess.run(["pgrep", "-f", "deploy.cli serve"], capture_output=True, check=False)
     assert leftover.stdout == b""
 

@@ -1,0 +1,131 @@
+"""Gateways as Ray actors: several processes that route as one.
+
+Each gateway actor runs the gateway's HTTP server in its own event loop and process,
+and follows the replica actors by name. They agree without talking to each other:
+every gateway subscribes to every replica's KV events and load reports, so each has
+the same index and sees the load the others send (``router/load.py``).
+
+On one machine the gateways share one port (SO_REUSEPORT: the kernel spreads new
+connections over them) or take consecutive ports; on a cluster, ``up`` places one
+per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import ray
+import uvicorn
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
+from deploy.serving import listening_socket, uvicorn_config
+from replica.api import stats as stats_codec
+from router.app import create_app
+from router.config import GatewayConfig
+from router.stats import GatewayStats
+
+
+class GatewayServer:
+    """The gateway inside a Ray actor (the body of :data:`GatewayActor`)."""
+
+    def __init__(
+        self, config: GatewayConfig, host: str | None, port: int, reuse_port: bool = True
+    ) -> None:
+        self.config, self.host, self.port, self.reuse_port = config, host, port, reuse_port
+        self._app: Any = None
+        self._url: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def url(self) -> str:
+        """Start the server if it is not running, and return its base URL."""
+        if self._url is None:
+            host = self.host or ray.util.get_node_ip_address()
+            self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
+            server = uvicorn.Server(uvicorn_config(self._app, host=host, port=self.port))
+            sock = listening_socket(host, self.port, self.reuse_port)
+            self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if self._task.done():
+                    self._task.result()
+                await asyncio.sleep(0.01)
+            self._url = f"http://{host}:{self.port}"
+        return self._url
+
+    async def stats(self) -> dict[str, Any]:
+        """Its ``/stats``, asked through Ray: gateways sharing a port cannot be told
+        apart over HTTP."""
+        await self.url()
+        return stats_codec.encode(self._app.state.gateway.stats())
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+GatewayActor: Any = ray.remote(max_restarts=-1)(GatewayServer)
+
+
+def gateway_names() -> list[str]:
+    return numbered(ray.util.list_named_actors(), GATEWAY_PREFIX)
+
+
+def start_gateways(
+    config: GatewayConfig,
+    host: str | None,
+    ports: list[int],
+    nodes: Sequence[str] = (),
+    detached: bool = False,
+) -> tuple[list[str], list[Any]]:
+    """Gateways ``gateway-0`` .. ``gateway-{len(ports)-1}`` (those running stay, the
+    ones beyond are removed), gateway ``i`` on ``ports[i]`` and, given ``nodes``, on
+    node ``nodes[i]``. Returns their URLs and handles (an actor that is not detached
+    lives as long as a handle to it)."""
+    for name in gateway_names()[len(ports) :]:
+        ray.kill(ray.get_actor(name), no_restart=True)
+    handles = []
+    for i, port in enumerate(ports):
+        node = nodes[i] if i < len(nodes) else None
+        placement = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
+        handles.append(
+            GatewayActor.options(
+                name=f"{GATEWAY_PREFIX}{i}",
+                get_if_exists=True,
+                num_cpus=0,
+                scheduling_strategy=placement,
+                **({"lifetime": "detached"} if detached else {}),
+            ).remote(config, host, port)
+        )
+    urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
+    return cast(list[str], urls), handles
+
+
+@dataclass
+class ActorStatus:
+    """A gateway or replica actor, as ``prefix-router status`` lists it."""
+
+    name: str
+    node_id: str
+    url: str
+    healthy: bool
+    requests: int | None
+    token_hit_rate: float | None
+
+
+def gateway_status(timeout_s: float = 10.0) -> list[ActorStatus]:
+    rows = []
+    for name in gateway_names():
+        handle = ray.get_actor(name)
+        try:
+            url, node, raw = ray.get(  # type: ignore[var-annotated]
+                [handle.url.remote(), handle.node_id.remote(), handle.stats.remote()],
+                timeout=timeout_s,
+            )
+        except (ray.exceptions.RayError, TimeoutError):
+            rows.append(ActorStatus(name, "?", "?", False, None, None))
+            continue
+        totals = stats_codec.decode(GatewayStats, raw).totals
+        rows.append(ActorStatus(name, node, url, True, totals.requests, totals.token_hit_rate))
+    return rows
