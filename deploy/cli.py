@@ -17,6 +17,7 @@ from loadtest.bench_cli import add_bench_parser
 from loadtest.crossover import add_crossover_parser
 from loadtest.replay_cli import add_replay_parser
 from replica.api.config import ReplicaConfig
+from replica.api.model_tokenizer import load_tokenizer
 from replica.engine import EngineConfig
 from router.config import GatewayConfig
 
@@ -34,16 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What the gateway and its replicas must agree on: one flag sets both.
+SHARED_WITH_REPLICAS = ("model", "tokenizer", "chat_template")
+
+
 def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
-    """The gateway's flags, and the replicas' as ``--replica-*`` (they serve its model)."""
+    """The gateway's flags, and the replicas' as ``--replica-*`` (they serve its model
+    with its tokenizer)."""
     add_config_flags(parser, GatewayConfig)
-    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=SHARED_WITH_REPLICAS)
 
 
 def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, ReplicaConfig]:
     gateway = config_from_args(GatewayConfig, args)
-    replica = config_from_args(ReplicaConfig, args, prefix="replica_", model=gateway.model)
+    shared = {name: getattr(gateway, name) for name in SHARED_WITH_REPLICAS}
+    replica = config_from_args(ReplicaConfig, args, prefix="replica_", **shared)
     EngineConfig.for_replica(replica)  # refuse a bad replica here, not in every actor
+    check_tokenizer(gateway)
     return gateway, replica
 
 
@@ -143,6 +151,11 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_tokenizer(config: GatewayConfig | ReplicaConfig) -> None:
+    """Refuse a tokenizer that cannot load here, before any server starts with it."""
+    load_tokenizer(config.tokenizer, config.chat_template)
+
+
 def add_gateway_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "gateway",
@@ -160,6 +173,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from router.app import create_app
 
     config = config_from_args(GatewayConfig, args)
+    check_tokenizer(config)
     serve_http(create_app(config, args.backend), args.host, args.port)
     return 0
 
@@ -180,6 +194,7 @@ def run_replica(args: argparse.Namespace) -> int:
     from replica.server import create_app
 
     config = config_from_args(ReplicaConfig, args)
+    check_tokenizer(config)
     serve_http(create_app(config, kv_events_host=args.host), args.host, args.port)
     return 0
 

@@ -20,9 +20,8 @@ from typing import Any
 
 import xxhash
 
-from replica.engine import VOCABULARY, RequestOutput
-
-Decode = Callable[[list[int]], str]
+from replica.api.tokenizer import Tokenizer
+from replica.engine import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,12 @@ class ChoiceState:
 class Answer:
     """Writes one answer from its choices' engine outputs."""
 
-    def __init__(self, spec: AnswerSpec, decode: Decode, on_first_token: Callable[[], None]):
+    def __init__(
+        self, spec: AnswerSpec, tokenizer: Tokenizer, on_first_token: Callable[[], None]
+    ) -> None:
         self.spec = spec
-        self.decode = decode
+        self.decode = tokenizer.decode
+        self.vocabulary = tokenizer.vocabulary
         self.on_first_token = on_first_token
         self.choices = [ChoiceState(i, spec.stops) for i in range(len(spec.prompts))]
         self._created = int(time.time())
@@ -231,7 +233,7 @@ class Answer:
         logprob = -((draw % 2000) / 1000.0)  # in (-2, 0]
         alternatives = []
         for k in range(self.spec.logprobs or 0):
-            other = VOCABULARY[(draw + 7919 * (k + 1)) % len(VOCABULARY)]
+            other = self.vocabulary[(draw + 7919 * (k + 1)) % len(self.vocabulary)]
             alternatives.append((self.decode([other]), logprob - 0.5 * (k + 1)))
         return self.decode([token_id]), logprob, alternatives
 

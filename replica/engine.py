@@ -16,7 +16,7 @@ import xxhash
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
-from replica.api.tokenizer import ByteTokenizer
+from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
 from replica.host_cache import HostCache
 from replica.prefix_cache import CacheStats, PrefixCache
@@ -119,23 +119,12 @@ class StepResult:
     num_steps: int = 1
 
 
-# The toy model's vocabulary: consonant-vowel-consonant words and a space, so that a
-# reply decodes to readable, 4-byte tokens (see ByteTokenizer).
-_VOWELS, _CONSONANTS = "aeiou", "bcdfghjklmnpqrstvwxyz"
-VOCABULARY = tuple(
-    int.from_bytes(f"{a}{v}{b} ".encode(), "little")
-    for a in _CONSONANTS
-    for v in _VOWELS
-    for b in _CONSONANTS
-)
-
-
 class Engine:
     def __init__(
         self,
         config: EngineConfig | None = None,
         hasher_factory: HasherFactory = BlockHasher,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.cost: CostProfile = get_profile(self.config.profile)
@@ -150,7 +139,7 @@ class Engine:
             )
             self.cache.on_evicted = self.host.store
         self.scheduler = Scheduler(self.config.scheduler, self.cache, self.host, self._should_load)
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self._hasher_factory = hasher_factory
         self._seqs: dict[str, Sequence] = {}
         self.now = 0.0
@@ -318,7 +307,8 @@ class Engine:
         draw = xxhash.xxh3_64_intdigest(index.to_bytes(4, "little"), seed=seq.sample_seed)
         if not seq.request.ignore_eos and (draw >> 40) < self.config.eos_probability * (1 << 24):
             return self.tokenizer.eos_token_id
-        return VOCABULARY[draw % len(VOCABULARY)]
+        vocabulary = self.tokenizer.vocabulary
+        return vocabulary[draw % len(vocabulary)]
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if not seq.request.ignore_eos and token == self.tokenizer.eos_token_id:

@@ -17,6 +17,7 @@ from replica.answers import Answer, AnswerSpec, ChoiceOutputs
 from replica.api import openai as api
 from replica.api.config import ReplicaConfig
 from replica.api.kv_events import KVEventPage
+from replica.api.model_tokenizer import load_tokenizer
 from replica.api.stats import CacheFigures, LoadReport, ReplicaStats
 from replica.engine import Engine, EngineConfig, EngineRequest
 from replica.engine_loop import EngineLoop
@@ -29,7 +30,8 @@ class Replica:
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
-        self.engine = Engine(EngineConfig.for_replica(config))
+        tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
+        self.engine = Engine(EngineConfig.for_replica(config), tokenizer=tokenizer)
         self.loop = EngineLoop(self.engine, config.speedup)
         self.metrics = ReplicaMetrics(self.engine, config.model)
         self.publisher: KVPublisher | None = None
@@ -67,7 +69,7 @@ class Replica:
             request_id, self.config.model, chat, [r // body.n for r in range(len(requests))],
             body.stop_strings, _logprobs(body), body.include_usage,
         )  # fmt: skip
-        answer, outputs = Answer(spec, self._decode, first_token), ChoiceOutputs(streams)
+        answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
         pulled = await answer.first_outputs(outputs)
@@ -119,9 +121,6 @@ class Replica:
     def _load(self) -> LoadReport:
         engine = self.engine
         return LoadReport(engine.num_running, engine.num_waiting, engine.queued_prefill_tokens)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(token_ids)
 
     def reset(self) -> bool:
         """Empty the cache and the statistics; refused (``False``) while requests run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from replica.api.identity import DEFAULT_MODEL
+from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.policies import POLICIES, PolicyConfig
 
 
@@ -13,6 +14,11 @@ class GatewayConfig:
     policy: str = "cache_aware"
     #: The model name the replicas serve (it seeds block identities).
     model: str = DEFAULT_MODEL
+    #: The replicas' tokenizer, so that the ids hashed are the ones their KV events
+    #: carry: ``bytes4`` (the simulated model's) or a Hugging Face ``tokenizer.json`` or
+    #: its folder; ``chat_template``: a Jinja file or text replacing the tokenizer's.
+    tokenizer: str = DEFAULT_TOKENIZER
+    chat_template: str = field(default="", metadata={"derived": "the tokenizer's"})
     #: The policies' knobs, the fleet's block size and the router's stride: the very
     #: object the offline replayer routes with (``ReplayConfig.routing``).
     routing: PolicyConfig = field(default_factory=PolicyConfig)

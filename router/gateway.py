@@ -15,7 +15,8 @@ import numpy as np
 
 from replica.api import openai as api
 from replica.api.identity import identity_seed, prefix_keys
-from replica.api.tokenizer import ByteTokenizer
+from replica.api.model_tokenizer import load_tokenizer
+from replica.api.tokenizer import Tokenizer
 from router.accounting import Accounting
 from router.admission import AdmissionQueue
 from router.backends import BackendPool
@@ -28,7 +29,7 @@ from router.stats import GatewayStats
 class Gateway:
     def __init__(self, config: GatewayConfig, client: aiohttp.ClientSession) -> None:
         self.config = config
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         self.rng = np.random.default_rng(config.seed)
         self.policy: Policy = self._make_policy(config.policy)
         self.pool = BackendPool(

@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import Request
 
 from replica.api import openai as api
-from replica.api.tokenizer import ByteTokenizer
+from replica.api.tokenizer import Tokenizer
 from router.config import GatewayConfig
 
 
@@ -69,7 +69,7 @@ async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes,
     return raw, Envelope.of(body)
 
 
-def routing_prompt(body: dict[str, Any], chat: bool, tokenizer: ByteTokenizer) -> np.ndarray | None:
+def routing_prompt(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> np.ndarray | None:
     """The prompt to route by: the conversation through the chat template, or the first
     prompt of a batch; ``None`` if it cannot be read (the backend will say why)."""
     try:

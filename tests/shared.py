@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -38,3 +39,44 @@ def gateway_stats(url: str) -> GatewayStats:
 
 def replica_stats(url: str) -> ReplicaStats:
     return stats_codec.decode(ReplicaStats, httpx.get(f"{url}/stats").content)
+
+
+#: A Llama-3-shaped chat template: a BOS, headed turns each ended by <|eot|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|start_header|>{{ m['role'] }}<|end_header|>\n\n{{ m['content'] }}<|eot|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n"
+    "{% endif %}"
+)
+SPECIAL_TOKENS = ["<|begin|>", "<|eot|>", "<|start_header|>", "<|end_header|>"]
+CORPUS = [
+    "You are a helpful assistant for the support desk of a bicycle shop.",
+    "Answer briefly, cite the manual, and never invent part numbers.",
+    "How do I true a wheel? What tension should spokes have on a road bike?",
+    "The quick brown fox jumps over the lazy dog, again and again.",
+]
+
+
+def build_hf_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
+    """A small byte-level BPE tokenizer, trained here, saved as a model's repository
+    saves one (``tokenizer.json`` and ``tokenizer_config.json``): no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    begin = tokenizer.token_to_id("<|begin|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", special_tokens=[("<|begin|>", begin)]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|begin|>", "eos_token": "<|eot|>", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

@@ -6,8 +6,9 @@ module per concept, and nothing here imports the engine:
 - ``identity``: block identities (the chained xxh3 over token ids), the default model
   name that seeds them and the default block size;
 - ``tokenizer``: the simulated tokenizer and its prefix-stable chat template;
+- ``model_tokenizer``: a real model's (Hugging Face ``tokenizer.json``, Jinja template);
 - ``kv_events``: the KV-event types a replica publishes, with their one encoder and
-  decoder;
+  decoder; ``kv_wire``: the same events in vLLM's ZMQ wire format (msgpack);
 - ``config`` and ``stats``: a replica's configuration and its typed ``/stats``;
 - ``openai``: the OpenAI request models, response shapes and error bodies.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
+from replica.api.tokenizer import DEFAULT_TOKENIZER
 
 #: Llama-3-8B on one H100 (see ``replica/cost_model.py`` for the sources).
 DEFAULT_PROFILE = "llama3-8b-h100"
@@ -37,6 +38,10 @@ class ReplicaConfig:
     #: The GPU's link to host memory: ``pcie4``, ``pcie5``, or its usable bandwidth in
     #: GB/s (``40``); empty: the profile's.
     host_link: str = field(default="", metadata={"derived": "the profile's"})
+    #: ``bytes4`` (the simulated model's) or a Hugging Face ``tokenizer.json`` or its
+    #: folder; ``chat_template``: a Jinja file or text replacing the tokenizer's own.
+    tokenizer: str = DEFAULT_TOKENIZER
+    chat_template: str = field(default="", metadata={"derived": "the tokenizer's"})
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer
+from replica.api.tokenizer import TOKEN_DTYPE, Tokenizer
 
 #: Token ids are 32-bit (see replica.tokenizer).
 MAX_TOKEN_ID = 2**32 - 1
@@ -98,7 +98,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
 
-    def prompts(self, tokenizer: ByteTokenizer) -> list[np.ndarray]:
+    def prompts(self, tokenizer: Tokenizer) -> list[np.ndarray]:
         return prompt_token_ids(self.prompt, tokenizer)
 
 
@@ -170,7 +170,7 @@ def chat_prompt_messages(messages: Any) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(parsed)]
 
 
-def prompt_token_ids(prompt: Any, tokenizer: ByteTokenizer) -> list[np.ndarray]:
+def prompt_token_ids(prompt: Any, tokenizer: Tokenizer) -> list[np.ndarray]:
     """A completion's ``prompt`` (text, token ids, or a batch of either) as token ids,
     one array per prompt; raises :class:`Rejected` (a ``ValueError``) naming what is
     wrong: an empty prompt, a token id out of range, a shape that is none of these."""
@@ -203,7 +203,7 @@ def _is_single(prompt: object) -> bool:
     )
 
 
-def _token_ids(prompt: Any, tokenizer: ByteTokenizer, index: int) -> np.ndarray:
+def _token_ids(prompt: Any, tokenizer: Tokenizer, index: int) -> np.ndarray:
     where = "prompt" if index == 0 else f"prompt.{index}"
     if not isinstance(prompt, str | list) or not all(
         isinstance(t, int) and not isinstance(t, bool)

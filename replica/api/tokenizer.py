@@ -1,8 +1,10 @@
 """Tokens for a simulated model: fast, deterministic and prefix-stable.
 
-The default tokenizer treats every 4 bytes of UTF-8 as one token (about the four
-characters per token of real BPE). Tokenizing is a ``numpy.frombuffer``, so the
-router and the replica always agree on token ids and block boundaries.
+Every tokenizer the project uses has the shape of :class:`Tokenizer`; a real model's
+is in ``model_tokenizer``. The default tokenizer treats every 4 bytes of UTF-8 as one
+token (about the four characters per token of real BPE). Tokenizing is a
+``numpy.frombuffer``, so the router and the replica always agree on token ids and
+block boundaries.
 
 The chat template pads every rendered piece to a 4-byte boundary, so the tokens of
 turn N are an exact prefix of the tokens of turn N+1: the property a prefix cache
@@ -11,8 +13,9 @@ needs from a real chat template.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -21,6 +24,43 @@ BYTES_PER_TOKEN = TOKEN_DTYPE.itemsize
 PAD_BYTE = b" "
 
 Message = Mapping[str, str]
+
+#: The tokenizer of the simulated model (``load_tokenizer``'s default).
+DEFAULT_TOKENIZER = "bytes4"
+
+
+class Tokenizer(Protocol):
+    """What the gateway and the replicas need of a tokenizer: the token ids of a prompt
+    and of a rendered conversation, text back from ids, the id that ends a reply, and
+    the ids a simulated engine may generate."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    @property
+    def vocabulary(self) -> Sequence[int]: ...
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, token_ids: Sequence[int] | np.ndarray) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> np.ndarray: ...
+
+
+# The toy model's vocabulary: consonant-vowel-consonant words and a space, so that a
+# reply decodes to readable, 4-byte tokens.
+_VOWELS, _CONSONANTS = "aeiou", "bcdfghjklmnpqrstvwxyz"
+WORDS = tuple(
+    int.from_bytes(f"{a}{v}{b} ".encode(), "little")
+    for a in _CONSONANTS
+    for v in _VOWELS
+    for b in _CONSONANTS
+)
 
 
 def _pad(data: bytes) -> bytes:
@@ -36,6 +76,7 @@ class ByteTokenizer:
     #: Token id that ends generation unless the request ignores EOS: four NUL bytes,
     #: which no UTF-8 text of ours ever contains.
     eos_token_id: int = 0
+    vocabulary: Sequence[int] = WORDS
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text``; a trailing partial token is padded with spaces."""
@@ -82,13 +123,3 @@ def render_chat(messages: Sequence[Message], add_generation_prompt: bool = True)
     """The chat template: messages in order, then the assistant header to prompt a reply."""
     rendered = b"".join(render_message(m) for m in messages)
     return rendered + _header("assistant") if add_generation_prompt else rendered
-
-
-TOKENIZERS: dict[str, Callable[[], ByteTokenizer]] = {"bytes4": ByteTokenizer}
-
-
-def get_tokenizer(name: str = "bytes4") -> ByteTokenizer:
-    try:
-        return TOKENIZERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tokenizer {name!r}; known: {', '.join(TOKENIZERS)}") from None

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from replica.api.tokenizer import ByteTokenizer, get_tokenizer, render_chat
+from replica.api.model_tokenizer import load_tokenizer
+from replica.api.tokenizer import ByteTokenizer, render_chat
 
 tokenizer = ByteTokenizer()
 
@@ -43,7 +44,9 @@ def test_chat_template_rejects_unknown_roles_and_non_string_content():
         render_chat([{"role": "user", "content": 3}])  # type: ignore[dict-item]
 
 
-def test_tokenizers_are_chosen_by_name():
-    assert get_tokenizer("bytes4") == tokenizer
-    with pytest.raises(ValueError, match="unknown tokenizer"):
-        get_tokenizer("gpt2")
+def test_tokenizers_are_chosen_by_name_or_path():
+    assert load_tokenizer("bytes4") == tokenizer
+    with pytest.raises(ValueError, match="unknown tokenizer 'gpt2': give bytes4 or the path"):
+        load_tokenizer("gpt2")
+    with pytest.raises(ValueError, match="has its own chat template"):
+        load_tokenizer("bytes4", chat_template="{{ messages }}")
