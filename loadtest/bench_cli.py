@@ -90,7 +90,9 @@ def add_bench_parser(commands: Any) -> None:
     parser.add_argument("--no-replay", action="store_true", help="skip the replay predictions")
     parser.add_argument("--no-progress", action="store_true")
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
-    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=("model",))
+    add_config_flags(
+        parser, ReplicaConfig, prefix="replica-", skip=("model", "tokenizer", "chat_template")
+    )  # the workload is bytes4
     parser.set_defaults(run=run_bench)
 
 
