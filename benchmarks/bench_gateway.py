@@ -1,21 +1,65 @@
-"""Latency the gateway adds over calling a replica directly.
+"""What the gateway costs: the latency it adds, and the requests per second it passes.
 
-Starts one replica (simulated time 1000x faster, so the engine's own time is a few
-microseconds) and a gateway in front of it, as real processes on loopback, then
-sends short non-streamed completions alternately to each and prints p50 and p99 of
-both and of the difference. Alternating keeps the machine's noise common to both.
+Starts replicas whose simulated time runs 1000x faster (the engine's own time is a few
+microseconds, so what is measured is HTTP and routing) and, as real processes on
+loopback, our gateway (``cache_aware``, fed by KV events) and SGLang's router
+(``sglang-router``, its ``cache_aware`` policy) in front of the same replicas.
+
+- **Added latency**: short non-streamed completions sent one at a time, alternately
+  to a replica and to our gateway; p50 and p99 of both and of the difference.
+  Alternating keeps the machine's noise common to both.
+- **Throughput at saturation**: a closed loop of ``--connections`` clients (one
+  asyncio process, keep-alive connections) sends completions for ``--seconds`` to
+  each target in turn, for ``--rounds`` rounds: through our gateway, through SGLang's
+  router, and straight to the replicas (each client to one replica, as a perfect
+  balancer would). Requests per second, median of the rounds, and each target's
+  ratio to SGLang's, and each router's own CPU time per request. Client, router and
+  replicas share this machine's cores, so a router's CPU per request is what
+  separates the figures.
+
+The prompts share a few long prefixes (a system prompt per application) and end in
+a request-specific question, as a chat fleet's do.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import aiohttp
 import httpx
 import numpy as np
+import psutil
 
-from deploy.processes import running
+from deploy.processes import free_port, running
+from replica.api.identity import DEFAULT_MODEL
+
+REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "4096", "--host-blocks", "0"]
+#: SGLang's router fetches a tokenizer for the model it finds; keep that on loopback,
+#: where nothing answers, so it routes by text (this machine has no other network).
+OFFLINE = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+APPS = 8
+
+
+def bodies(count: int) -> list[dict]:
+    """Completions with one of ``APPS`` shared ~250-token prefixes and their own
+    question, naming the model (SGLang's router requires it)."""
+    prefixes = [f"App {a}: you answer questions about product {a}. " * 20 for a in range(APPS)]
+    return [
+        {"model": DEFAULT_MODEL, "prompt": prefixes[i % APPS] + f"Question {i}?", "max_tokens": 1}
+        for i in range(count)
+    ]
+
+
+# ------------------------------------------------------------------ added latency
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:
@@ -26,32 +70,149 @@ def timed(client: httpx.Client, url: str, body: dict) -> float:
     return elapsed
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=1000)
-    args = parser.parse_args(argv)
-    replica_command = ["replica", "--speedup", "1000"]
-    with (
-        running(replica_command) as (replica,),
-        running(["gateway", f"--backend={replica}", "--policy", "cache_aware"]) as (gateway,),
-    ):
-        body = {"prompt": "a short question for the fleet", "max_tokens": 1}
-        direct, routed = [], []
-        with httpx.Client(timeout=30) as client:
-            for _ in range(50):  # warm up both paths
-                timed(client, replica, body)
-                timed(client, gateway, body)
-            for _ in range(args.requests):
-                direct.append(timed(client, replica, body))
-                routed.append(timed(client, gateway, body))
+def added_latency(replica: str, gateway: str, requests: int) -> None:
+    body = {"prompt": "a short question for the fleet", "max_tokens": 1}
+    direct, routed = [], []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(50):  # warm up both paths
+            timed(client, replica, body)
+            timed(client, gateway, body)
+        for _ in range(requests):
+            direct.append(timed(client, replica, body))
+            routed.append(timed(client, gateway, body))
     d, g = np.array(direct) * 1000, np.array(routed) * 1000
-    print(f"{args.requests} non-streamed short requests each, alternating (ms):")
+    print(f"Added latency: {requests} non-streamed short requests each, alternating (ms):")
     for name, values in (("direct to replica", d), ("through gateway", g)):
         p50, p99 = np.percentile(values, [50, 99])
         print(f"  {name:<18} p50 {p50:6.3f}   p99 {p99:6.3f}")
     added50 = statistics.median(g) - statistics.median(d)
     added99 = float(np.percentile(g, 99) - np.percentile(d, 99))
     print(f"  added by gateway   p50 {added50:6.3f}   p99 {added99:6.3f}   (goal: p50 <= 1 ms)")
+
+
+# ----------------------------------------------------------------- throughput
+
+
+async def saturate(urls: list[str], connections: int, seconds: float) -> tuple[int, int]:
+    """Requests answered (and failed) in ``seconds`` by ``connections`` closed-loop
+    clients; client ``i`` sends to ``urls[i % len(urls)]``."""
+    load = bodies(4096)
+    done = failed = 0
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client(index: int) -> None:
+            nonlocal done, failed
+            url = urls[index % len(urls)] + "/v1/completions"
+            for body in itertools.cycle(load[index::connections]):
+                if time.perf_counter() >= deadline:
+                    return
+                async with session.post(url, json=body) as response:
+                    await response.read()
+                    if response.status == 200:
+                        done += 1
+                    else:
+                        failed += 1
+
+        await asyncio.gather(*(client(i) for i in range(connections)))
+    return done, failed
+
+
+def listener(url: str) -> psutil.Process:
+    """The process serving ``url`` (a router, whose CPU time is measured)."""
+    port = int(url.rsplit(":", 1)[1])
+    for connection in psutil.net_connections("tcp"):
+        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
+            return psutil.Process(connection.pid)
+    raise RuntimeError(f"nothing listens at {url}")
+
+
+def cpu_s(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def throughput(
+    targets: dict[str, list[str]],
+    routers: dict[str, psutil.Process],
+    connections: int,
+    seconds: float,
+    rounds: int,
+) -> None:
+    for urls in targets.values():  # warm up every path (connections, the router's trees)
+        asyncio.run(saturate(urls, connections, 1.0))
+    rates: dict[str, list[float]] = {name: [] for name in targets}
+    cpu_per_request: dict[str, list[float]] = {name: [] for name in routers}
+    for _ in range(rounds):
+        for name, urls in targets.items():
+            before = cpu_s(routers.get(name))
+            done, failed = asyncio.run(saturate(urls, connections, seconds))
+            if failed:
+                print(f"  warning: {failed} requests failed through {name}", file=sys.stderr)
+            rates[name].append(done / seconds)
+            if name in routers:
+                cpu_per_request[name].append((cpu_s(routers[name]) - before) / done)
+    print(
+        f"Throughput at saturation: {connections} closed-loop connections, {rounds} rounds "
+        f"of {seconds:.0f} s per target (requests/s; the router's own CPU per request):"
+    )
+    reference = statistics.median(rates["SGLang's router"])
+    for name, values in rates.items():
+        median = statistics.median(values)
+        runs = ", ".join(f"{v:,.0f}" for v in values)
+        cpu = cpu_per_request.get(name)
+        cost = f"   {statistics.median(cpu) * 1e6:4.0f} us CPU/request" if cpu else ""
+        print(f"  {name:<16} {median:6,.0f}  ({runs})  {median / reference:.2f}x SGLang's{cost}")
+
+
+@contextmanager
+def sglang_router(replicas: list[str]) -> Iterator[str]:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        "--port", str(port), "--worker-urls", *replicas, "--policy", "cache_aware",
+        "--log-level", "error", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    router = subprocess.Popen(command, env=OFFLINE, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.post(url + "/v1/completions", json=bodies(1)[0]).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("SGLang's router did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=1000, help="for the added latency")
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    with running(*[REPLICA] * args.replicas) as replicas:
+        backends = [f"--backend={url}" for url in replicas]
+        with (
+            running(["gateway", *backends, "--policy", "cache_aware"]) as (gateway,),
+            sglang_router(replicas) as sglang,
+        ):
+            added_latency(replicas[0], gateway, args.requests)
+            targets = {"our gateway": [gateway], "SGLang's router": [sglang], "direct": replicas}
+            routers = {"our gateway": listener(gateway), "SGLang's router": listener(sglang)}
+            throughput(targets, routers, args.connections, args.seconds, args.rounds)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from replica.api import openai as api
 from router.admission import Overloaded
 from router.backends import Backend
 from router.gateway import Gateway
+from router.http_client import Client, UpstreamError
+from router.http_client import Response as Answer
 from router.policies import Policy, ReplicaState, RoutingRequest
 
-JSON_HEADERS = {"content-type": "application/json"}
+#: How a try on a replica can fail: unreachable, broken, or silent too long.
+FAILURES = (UpstreamError, TimeoutError)
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 #: Upstream answers worth another replica's try (the replica is overloaded or broken).
 RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
@@ -41,9 +43,9 @@ class UpstreamFailed(Exception):
 
 
 class Upstream:
-    """Forwards requests for one gateway over its pooled ``client``."""
+    """Forwards requests for one gateway over its kept-alive ``client``."""
 
-    def __init__(self, gateway: Gateway, client: aiohttp.ClientSession) -> None:
+    def __init__(self, gateway: Gateway, client: Client) -> None:
         self.gateway = gateway
         self.client = client
 
@@ -115,8 +117,8 @@ class Upstream:
     ) -> Response:
         """One try on one replica; raises :class:`UpstreamFailed` while retrying is safe."""
         try:
-            response = await self.client.post(backend.url + path, data=raw, headers=JSON_HEADERS)
-        except (aiohttp.ClientError, TimeoutError) as error:
+            response = await self.client.post(backend.url + path, raw)
+        except FAILURES as error:
             raise self._failed(routing, backend, policy, error) from None
         if response.status in RETRYABLE_STATUSES:
             response.release()
@@ -124,13 +126,14 @@ class Upstream:
             raise UpstreamFailed(f"{backend.url} answered {response.status}")
         if response.status != 200 or not stream:
             return await self._whole(response, routing, backend, policy)
+        lines = _lines(response)
         try:  # the first event, before the client sees anything: a failure is retryable
-            first = await _first_line(response)
-        except (aiohttp.ClientError, TimeoutError) as error:
+            first = await _first_line(lines)
+        except FAILURES as error:
             response.release()
             raise self._failed(routing, backend, policy, error) from None
         return StreamingResponse(
-            self._relay(response, first, routing, backend, policy, include_usage),
+            self._relay(response, lines, first, routing, backend, policy, include_usage),
             media_type="text/event-stream",
             headers=decision_headers(routing, backend),
         )
@@ -156,7 +159,7 @@ class Upstream:
 
     async def _whole(
         self,
-        response: aiohttp.ClientResponse,
+        response: Answer,
         routing: RoutingRequest,
         backend: Backend,
         policy: Policy,
@@ -167,7 +170,7 @@ class Upstream:
             self.gateway.accounting.first_token(routing, backend.state)
         try:
             content = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except FAILURES as error:
             raise self._failed(routing, backend, policy, error) from None
         finally:
             response.release()
@@ -182,7 +185,8 @@ class Upstream:
 
     async def _relay(
         self,
-        response: aiohttp.ClientResponse,
+        response: Answer,
+        lines: AsyncIterator[str],
         first: str,
         routing: RoutingRequest,
         backend: Backend,
@@ -196,7 +200,6 @@ class Upstream:
         cached: int | None = None
         failed = True
         try:
-            lines = _lines(response)
             line: str | None = first
             while line is not None:
                 if routing.prefilling and _carries_token(line):
@@ -211,7 +214,7 @@ class Upstream:
                 yield (line + "\n\n").encode()
                 line = await anext(lines, None)
             failed = False
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except FAILURES as error:
             self.gateway.pool.open_circuit(backend)
             message = f"upstream {backend.url} failed mid-stream: {error!r}"
             yield f"data: {json.dumps(api.error_body(message, 502))}\n\n".encode()
@@ -243,22 +246,18 @@ def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse(api.error_body(message, status), status_code=status)
 
 
-async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+async def _lines(response: Answer) -> AsyncIterator[str]:
     """The non-empty lines of an SSE stream."""
-    async for raw in response.content:
-        line = raw.decode().rstrip("\r\n")
-        if line:
-            yield line
+    async for raw in response.lines():
+        if raw:
+            yield raw.decode()
 
 
-async def _first_line(response: aiohttp.ClientResponse) -> str:
-    while True:
-        raw = await response.content.readline()
-        if not raw:
-            raise aiohttp.ClientPayloadError("the stream ended before its first event")
-        line = raw.decode().rstrip("\r\n")
-        if line:
-            return line
+async def _first_line(lines: AsyncIterator[str]) -> str:
+    line = await anext(lines, None)
+    if line is None:
+        raise UpstreamError("the stream ended before its first event")
+    return line
 
 
 def _carries_token(line: str) -> bool:
