@@ -162,7 +162,14 @@ def add_gateway_parser(commands: Any) -> None:
         help="run the routing gateway alone, in front of OpenAI-compatible servers",
         description="The cache-aware gateway in front of --backend URLs (ours, vLLM or SGLang).",
     )
-    parser.add_argument("--backend", action="append", default=[], metavar="URL", help="repeatable")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL[,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT,topic=T]",
+        help="repeatable; a vLLM server started with --kv-events-config: its URL and "
+        "the config's endpoint, replay_endpoint and topic, reached from here",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_config_flags(parser, GatewayConfig)
@@ -171,9 +178,12 @@ def add_gateway_parser(commands: Any) -> None:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from router.app import create_app
+    from router.backends import parse_backend
 
     config = config_from_args(GatewayConfig, args)
     check_tokenizer(config)
+    for spec in args.backend:
+        parse_backend(spec)  # refuse a bad one before serving
     serve_http(create_app(config, args.backend), args.host, args.port)
     return 0
 

@@ -26,7 +26,8 @@ from starlette.types import Receive, Scope, Send
 
 from replica.api import openai as api
 from replica.api import stats as stats_codec
-from router.backends import follow_ray_replicas
+from replica.api.stats import KVEventsEndpoint
+from router.backends import follow_ray_replicas, parse_backend
 from router.config import GatewayConfig
 from router.gateway import Gateway
 from router.http_client import Client, Timeouts
@@ -68,8 +69,9 @@ def create_app(
         async with _client(config) as client:
             gateway = app.state.gateway = Gateway(config, client)
             upstream = app.state.upstream = Upstream(gateway, Client(_timeouts(config)))
-            for url in backends:
-                gateway.pool.add(url)
+            for spec in backends:
+                url, kv_endpoint = parse_backend(spec)
+                gateway.pool.add(url, kv_endpoint=kv_endpoint)
             follower = None
             if ray_replica_prefix is not None:
                 task = follow_ray_replicas(gateway.pool, ray_replica_prefix)
@@ -251,6 +253,8 @@ class BackendChange(BaseModel):
     url: str
     replica_id: str | None = None
     capacity_blocks: int | None = None
+    #: Where a foreign engine publishes its KV events (vLLM's ``--kv-events-config``).
+    kv_events: KVEventsEndpoint | None = None
 
 
 def _admin_only(request: Request) -> None:
@@ -271,7 +275,9 @@ async def set_policy(change: PolicyChange, request: Request) -> Response:
 async def add_backend(change: BackendChange, request: Request) -> Response:
     _admin_only(request)
     try:
-        backend = _gateway(request).pool.add(change.url, change.replica_id, change.capacity_blocks)
+        backend = _gateway(request).pool.add(
+            change.url, change.replica_id, change.capacity_blocks, change.kv_events
+        )
     except ValueError as error:
         return JSONResponse(api.error_body(str(error), 400, "url"), status_code=400)
     return JSONResponse({"replica_id": backend.state.replica_id, "url": backend.url})

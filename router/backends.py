@@ -30,6 +30,25 @@ from router.policies import ReplicaState
 log = logging.getLogger(__name__)
 
 
+def parse_backend(spec: str) -> tuple[str, KVEventsEndpoint | None]:
+    """``URL``, or ``URL,kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]`` for
+    an engine that publishes its KV events on ZMQ without saying where (vLLM started
+    with ``--kv-events-config``: its ``endpoint``, ``replay_endpoint`` and ``topic``)."""
+    url, *options = spec.split(",")
+    fields: dict[str, str] = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name not in ("kv", "replay", "topic") or not value:
+            raise ValueError(f"backend {spec!r}: expected kv=, replay= or topic=, got {option!r}")
+        fields[name] = value
+    if not fields:
+        return url, None
+    if "kv" not in fields:
+        raise ValueError(f"backend {spec!r}: replay= and topic= need kv=tcp://HOST:PORT")
+    endpoint = KVEventsEndpoint(fields["kv"], fields.get("replay", ""), fields.get("topic", ""))
+    return url, endpoint
+
+
 @dataclass(eq=False)
 class Backend:
     url: str

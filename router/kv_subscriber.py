@@ -13,8 +13,8 @@ A gap (a batch number past the next expected, or batches that a load report said
 were sent and that have still not come by the next report) is filled from the
 publisher's replay socket; what the replay cannot give any more is lost, so the
 replica's entries are dropped and the index starts over from the batches that follow.
-Silence longer than ``silence_s`` marks the replica stale: its entries are dropped
-until it speaks again.
+Silence longer than ``silence_s`` on a stream with a heartbeat (ours) marks the replica
+stale: its entries are dropped until it speaks again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ from replica.api.stats import KVEventsEndpoint, LoadReport
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+#: Latencies kept per stream for its percentiles: the latest ones.
+LATENCIES_KEPT = 10_000
 #: Runs ``fn(*args)`` where the index lives (``loop.call_soon_threadsafe`` in a gateway).
 Deliver = Callable[..., object]
 
@@ -59,7 +62,7 @@ class StreamState:
     last_heard: float = 0.0
     load: LoadReport | None = None
     #: Seconds from a batch's time stamp at the replica to its events in the index.
-    latencies: list[float] = field(default_factory=list)
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     _load_bytes: bytes = b""
     _promised: int = 0  # batches the last load report said were sent
 
@@ -73,12 +76,10 @@ class KVStreams:
         silence_s: float = 1.0,
         load_read_s: float = 0.05,
         clock: Callable[[], float] = time.time,
-        keep_latencies: int = 10_000,
     ) -> None:
         self._deliver = deliver
         self._silence_s, self._load_read_s = silence_s, load_read_s
         self._clock = clock
-        self._keep = keep_latencies
         self._commands: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         #: Per backend: its events socket, its load socket and its state.
         self._streams: dict[Any, tuple[zmq.Socket, zmq.Socket, StreamState]] = {}
@@ -229,7 +230,7 @@ class KVStreams:
     def _applied(self, state: StreamState, events: list[KVEvent], ts: float) -> None:
         """On the event loop: into the index, and how long that took since the replica."""
         state.on_events(events)
-        if ts and len(state.latencies) < self._keep:
+        if ts:
             state.latencies.append(self._clock() - ts)
 
     def _resync(self, state: StreamState) -> None:
@@ -238,7 +239,11 @@ class KVStreams:
         self._deliver(state.on_events, [KVEvent(0, "cleared")])
 
     def _watch_silence(self, now: float) -> None:
+        """A stream with a heartbeat (ours) that stops is stale. A foreign engine's is
+        quiet whenever its cache is: the backend's health probe watches it instead."""
         for *_, state in self._streams.values():
+            if not state.endpoint.load_endpoint:
+                continue
             if not state.stale and now - state.last_heard > self._silence_s:
                 log.warning("KV events from %s went silent", state.endpoint.endpoint)
                 state.stale = True

@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from deploy.processes import running
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
@@ -235,3 +236,43 @@ def test_a_silent_stream_goes_stale_and_its_entries_are_dropped():
         assert state.stale and follower.held() == (set(), set())
     finally:
         follower.streams.close()
+
+
+@pytest.mark.slow
+def test_a_vllm_server_named_per_backend_is_routed_precisely_and_never_goes_stale():
+    """A foreign engine: its KV events come from a publisher the gateway is told about
+    (``--backend URL,kv=...,topic=...``), with vLLM's newest encoding and sha256-sized
+    hashes, no heartbeat and no replay socket."""
+    vllm = vllm_classes(False, False)
+    prompt = np.arange(1, 513, dtype="<u4")  # 32 blocks of 16 tokens
+    hashes = [bytes([i]) * 32 for i in range(32)]
+    stored = vllm["BlockStored"](hashes, None, prompt.tolist(), 16, None, "GPU")
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        with running(["replica"], ["replica"]) as (foreign, other):
+            spec = f"{foreign},kv=tcp://127.0.0.1:{port},topic=kv-events"
+            with running(["gateway", f"--backend={spec}", f"--backend={other}"]) as (gateway,):
+                seq = 0
+                while not any(
+                    b.kv_stream and b.kv_stream.batches for b in gateway_stats(gateway).backends
+                ):
+                    batch = vllm["EventBatch"](time.time(), [stored])
+                    publisher.send_multipart(
+                        [b"kv-events", seq.to_bytes(8, "big"), encoder.encode(batch)]
+                    )
+                    seq += 1
+                    time.sleep(0.05)
+                time.sleep(1.5)  # longer than a heartbeat-less stream may stay quiet
+                body = {"prompt": [*prompt.tolist(), 7, 8, 9], "max_tokens": 1}
+                for _ in range(3):
+                    answer = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
+                    assert answer.headers["x-prefix-router-replica"] == foreign
+                    assert int(answer.headers["x-prefix-router-predicted-cached-tokens"]) == 512
+                streams = {b.url: b.kv_stream for b in gateway_stats(gateway).backends}
+                assert not streams[foreign].stale and streams[foreign].endpoint.endswith(str(port))
+    finally:
+        publisher.close(linger=0)
+        context.term()
