@@ -378,7 +378,21 @@ def live_row(
         cpu_busy_peak=run.cpu_busy_peak,
     )
     row.update(_hit_figures(after.replicas) if after.replicas else _client_hit_figures(client))
+    row.update(_event_latency(after))
     return row
+
+
+def _event_latency(snap: Snapshot) -> Row:
+    """How long the replicas' KV events took to reach the gateways' indexes: the median
+    of the streams' medians and the worst stream's p99 (over each gateway's last
+    10,000 batches per replica: the transport's figure, not the policy's)."""
+    streams = [b.kv_stream for g in snap.gateways for b in g.backends if b.kv_stream]
+    p50s = [s.latency_p50_s for s in streams if s.latency_p50_s is not None]
+    p99s = [s.latency_p99_s for s in streams if s.latency_p99_s is not None]
+    return {
+        "kv_event_latency_p50_s": float(np.median(p50s)) if p50s else None,
+        "kv_event_latency_p99_s": max(p99s) if p99s else None,
+    }
 
 
 def _hit_figures(replicas: list[ReplicaStats]) -> Row:

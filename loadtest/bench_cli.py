@@ -188,12 +188,26 @@ def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
         if busy is not None
         else "CPU: not measured.",
         "",
+        *_event_latency_lines(rows),
         *_flags(rows, replayed=bool(meta.get("replay", True))),
         READING,
         *(f"![{name}]({name})" for name in charts),
         "",
     ]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _event_latency_lines(rows: Sequence[Row]) -> list[str]:
+    """The KV stream's latency once: it belongs to the transport, not to a policy."""
+    last = rows[-1] if rows else {}
+    p50, p99 = last.get("kv_event_latency_p50_s"), last.get("kv_event_latency_p99_s")
+    if p50 is None or p99 is None:
+        return []
+    return [
+        f"KV events, from the engine's step to the gateways' index: p50 {p50 * 1e3:.1f} ms, "
+        f"p99 {p99 * 1e3:.1f} ms (every stream, every gateway, the whole bench).",
+        "",
+    ]
 
 
 def _chat_summary(chat: dict[str, Any]) -> str:
