@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
-import uvicorn
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
-from deploy.serving import listening_socket, uvicorn_config
+from deploy.serving import Server, listening_socket, uvicorn_config
 from replica.api import stats as stats_codec
 from router.app import create_app
 from router.config import GatewayConfig
@@ -45,7 +44,7 @@ class GatewayServer:
         if self._url is None:
             host = self.host or ray.util.get_node_ip_address()
             self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
-            server = uvicorn.Server(uvicorn_config(self._app, host=host, port=self.port))
+            server = Server(uvicorn_config(self._app, host=host, port=self.port))
             sock = listening_socket(host, self.port, self.reuse_port)
             self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
             while not server.started:

@@ -13,8 +13,8 @@ import socket
 from typing import Any
 
 import ray
-import uvicorn
 
+from deploy.serving import Server, uvicorn_config
 from replica.api.config import ReplicaConfig
 from replica.server import create_app
 
@@ -32,7 +32,7 @@ class ReplicaServer:
         self.config = config
         self.host = host
         self._url: str | None = None
-        self._server: uvicorn.Server | None = None
+        self._server: Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
 
@@ -42,14 +42,8 @@ class ReplicaServer:
             if self._url is None:
                 host = self.host or ray.util.get_node_ip_address()
                 port = free_port(host)
-                config = uvicorn.Config(
-                    create_app(self.config, kv_events_host=host),
-                    host=host,
-                    port=port,
-                    log_level="warning",
-                    access_log=False,
-                )
-                self._server = uvicorn.Server(config)
+                app = create_app(self.config, kv_events_host=host)
+                self._server = Server(uvicorn_config(app, host=host, port=port))
                 self._task = asyncio.get_running_loop().create_task(self._server.serve())
                 while not self._server.started:
                     if self._task.done():
@@ -63,7 +57,7 @@ class ReplicaServer:
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
-            self._server.should_exit = True
+            self._server.stop()
             await self._task
         self._url = self._server = self._task = None
 
