@@ -2,8 +2,9 @@
 
 One thread follows all the streams, so a quiet fleet costs the gateway almost
 nothing: it wakes when a backend's events socket has a batch (a ZMQ poller over one
-SUB socket per backend), and every ``load_read_s`` to read the latest load of each
-backend, which waits in a SUB socket that keeps only the newest message
+SUB socket per backend), and every ``load_read_s`` (100 ms: the replicas report every
+50 ms, and between reads a gateway adds its own dispatches) to read the latest load of
+each backend, which waits in a SUB socket that keeps only the newest message
 (``ZMQ_CONFLATE``): the heartbeats in between are dropped by ZMQ's I/O thread without
 waking Python, and one that did not change is recognised by its bytes. Decoded events
 are handed to the event loop in batch-number order (``deliver``); the index is only
@@ -74,7 +75,7 @@ class KVStreams:
         self,
         deliver: Deliver,
         silence_s: float = 1.0,
-        load_read_s: float = 0.05,
+        load_read_s: float = 0.1,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._deliver = deliver
