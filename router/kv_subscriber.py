@@ -218,7 +218,9 @@ class KVStreams:
             self._resync(state)
             state.next_batch = until
 
-    def _apply(self, state: StreamState, seq: int, payload: bytes) -> None:
+    def _apply(self, state: StreamState, seq: int, payload: bytes, live: bool = True) -> None:
+        """Decode a batch and hand it to the event loop. Only live batches time the
+        stream: a replayed one is as old as the gap it fills."""
         try:
             ts, events, _ = decode_batch(payload)
         except ValueError as error:
@@ -226,7 +228,7 @@ class KVStreams:
             return
         state.next_batch = seq + 1
         state.batches += 1
-        self._deliver(self._applied, state, events, ts)
+        self._deliver(self._applied, state, events, ts if live else 0.0)
 
     def _applied(self, state: StreamState, events: list[KVEvent], ts: float) -> None:
         """On the event loop: into the index, and how long that took since the replica."""
@@ -271,7 +273,7 @@ class KVStreams:
                     continue
                 if seq > expected:  # batches the buffer no longer holds
                     self._resync(state)
-                self._apply(state, seq, payload)
+                self._apply(state, seq, payload, live=False)
                 state.replayed += 1
         finally:
             socket.close(linger=0)

@@ -210,6 +210,7 @@ def test_a_gateway_that_starts_late_learns_the_cache_from_the_replay_buffer():
                 if stream is not None and stream.batches > 0:
                     break
                 time.sleep(0.1)
+            assert stream is not None and stream.latency_p50_s is None  # replayed: not timed
             prompt = [2000 + t for t in range(1, 400)]
             answer = httpx.post(
                 gateway + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}
