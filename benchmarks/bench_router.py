@@ -1,7 +1,8 @@
 """Speed of the router core and of the offline replayer.
 
-- Routing decision time: ``cache_aware`` choosing among 16 replicas for an 8k-token
-  prompt whose prefix the index knows, and the hashing of that prompt's identities.
+- Routing decision time: ``cache_aware`` choosing among 16, 64, 256 and 1,024 replicas
+  (``--replicas``) for an 8k-token prompt whose prefix the index knows on two of them,
+  and the hashing of that prompt's identities.
 - Replay time: the whole Mooncake conversation trace on 8 replicas, per policy.
 """
 
@@ -76,15 +77,17 @@ def bench_trace(policies: list[str], replicas: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--replicas", default="16,64,256,1024", help="fleet sizes to decide among")
     parser.add_argument("--trace-policies", default="round_robin,cache_aware")
     parser.add_argument("--no-trace", action="store_true", help="skip the minute-long trace replay")
     args = parser.parse_args(argv)
-    decision_us, hashing_us = bench_decision(16, 8192, args.repeats)
-    print(
-        "routing decision, 8k-token prompt, 16 replicas, cache_aware: "
-        f"{decision_us:.1f} us (goal: 50 us)"
-    )
-    print(f"hashing that prompt's identities every {STRIDE_TOKENS} tokens: {hashing_us:.1f} us")
+    for replicas in (int(n) for n in args.replicas.split(",")):
+        decision_us, hashing_us = bench_decision(replicas, 8192, args.repeats)
+        print(
+            f"routing decision, 8k-token prompt, {replicas:>5} replicas, cache_aware: "
+            f"{decision_us:6.1f} us   (hashing that prompt's identities every "
+            f"{STRIDE_TOKENS} tokens: {hashing_us:.1f} us)"
+        )
     if not args.no_trace:
         bench_trace(args.trace_policies.split(","), 8)
 

@@ -25,7 +25,7 @@ a replica removes all its entries.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -153,6 +153,7 @@ class PrefixIndex:
         self.clock = clock
         self._keys: dict[int, EventKeys] = {}  # by replica bit: its blocks from its events
         self._bits: dict[str, int] = {}
+        self._ids: dict[int, str] = {}  # the other way round
         self._all_bits = 0
         precise = config.mode == "precise"
         self.routed = ReplicaSets(clock, config.recent_s if precise else config.ttl_s)
@@ -165,7 +166,7 @@ class PrefixIndex:
         if replica_id in self._bits:
             return
         bit = min(set(range(len(self._bits) + 1)) - set(self._bits.values()))
-        self._bits[replica_id] = bit
+        self._bits[replica_id], self._ids[bit] = bit, replica_id
         self._all_bits |= 1 << bit
         self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
         for sets in self._event_sets:
@@ -176,6 +177,7 @@ class PrefixIndex:
         bit = self._bits.pop(replica_id, None)
         if bit is None:
             return
+        del self._ids[bit]
         self._all_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
         for sets in self._event_sets:
@@ -211,7 +213,8 @@ class PrefixIndex:
         first, as leaf-only eviction does), so who holds depth d can only shrink as d
         grows. The scan probes every ``COARSE``-th depth and walks one by one only
         through the stretches where some replica drops out: an 8k-token prompt costs
-        about 30 look-ups instead of 128.
+        about 30 look-ups instead of 128. Only the replicas holding the first identity
+        are followed, so the cost grows with them, not with the fleet.
         """
         self.routed.expire()
         routed = self.routed.holders.get
@@ -222,7 +225,8 @@ class PrefixIndex:
             return routed(block_hash, 0) | stored(block_hash, 0)
 
         depth_of_bit: dict[int, int] = {}
-        alive, done = self._all_bits, 0
+        alive = holders(0) & self._all_bits if stride_hashes else 0
+        done = 0
         while alive and done < len(stride_hashes):
             probe = min(done + COARSE, len(stride_hashes)) - 1
             if holders(probe) & alive == alive:
@@ -230,22 +234,14 @@ class PrefixIndex:
                 continue
             for depth in range(done, probe + 1):
                 mask = holders(depth) & alive
-                lost = alive & ~mask
-                while lost:
-                    low = lost & -lost
-                    depth_of_bit[low.bit_length() - 1] = depth
-                    lost ^= low
+                for bit in _bits_of(alive & ~mask):
+                    depth_of_bit[bit] = depth
                 alive = mask
             done = probe + 1
-        for bit in self._bits.values():
-            if alive >> bit & 1:
-                depth_of_bit[bit] = len(stride_hashes)
+        for bit in _bits_of(alive):  # held the whole prompt
+            depth_of_bit[bit] = len(stride_hashes)
         tokens = self.stride_tokens
-        return {
-            replica: depth_of_bit[bit] * tokens
-            for replica, bit in self._bits.items()
-            if depth_of_bit.get(bit)
-        }
+        return {self._ids[bit]: depth * tokens for bit, depth in depth_of_bit.items() if depth}
 
     def match_host(self, stride_hashes: Sequence[int], gpu: dict[str, int]) -> dict[str, int]:
         """Tokens each replica holds in host memory beyond the ``gpu`` tokens it holds on
@@ -254,7 +250,11 @@ class PrefixIndex:
         if host is None or not len(host):
             return {}
         holders, stride_tokens, extra = host.holders, self.stride_tokens, {}
-        for replica, bit in self._bits.items():
+        # Those with GPU tokens, and those whose host tier holds the first identity.
+        first = holders.get(stride_hashes[0], 0) & self._all_bits if stride_hashes else 0
+        candidates = {*gpu, *(self._ids[bit] for bit in _bits_of(first))}
+        for replica in candidates:
+            bit = self._bits[replica]
             start = depth = gpu.get(replica, 0) // stride_tokens
             mask = 1 << bit
             while depth < len(stride_hashes) and holders.get(stride_hashes[depth], 0) & mask:
@@ -327,3 +327,11 @@ class PrefixPopularity:
 
     def __len__(self) -> int:
         return len(self._counts)
+
+
+def _bits_of(mask: int) -> Iterator[int]:
+    """The positions of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low

@@ -151,6 +151,41 @@ def test_the_coarse_to_fine_match_equals_a_plain_scan_on_random_fleets():
             assert index.match(hashes) == expected
 
 
+def test_both_tiers_match_a_plain_scan_on_a_large_fleet():
+    """Only the replicas that hold a prompt's first identity are followed: on a fleet of
+    200, what they answer is still what a scan of every replica answers."""
+    rng = np.random.default_rng(11)
+    index = make_index("precise")
+    names = [f"r{i}" for i in range(200)]
+    for name in names:
+        index.add_replica(name, 4096)
+    bases = [stride_hashes(prompt(2000, 10_000 * b)) for b in range(4)]
+    for _ in range(300):  # GPU and host prefixes of four prompts, on random replicas
+        hashes = bases[int(rng.integers(4))]
+        bit = index._bits[names[int(rng.integers(200))]]
+        start = int(rng.integers(0, len(hashes)))
+        cut = int(rng.integers(start, len(hashes) + 1))
+        index.stored.add(bit, hashes[:start])  # type: ignore[union-attr]
+        index.host.add(bit, hashes[start:cut])  # type: ignore[union-attr]
+
+    def run(holders: dict[int, int], bit: int, hashes: list[int], depth: int) -> int:
+        while depth < len(hashes) and (holders.get(hashes[depth], 0) >> bit) & 1:
+            depth += 1
+        return depth
+
+    for hashes in bases:
+        gpu, host = {}, {}
+        for name, bit in index._bits.items():
+            held = run(index.stored.holders, bit, hashes, 0)  # type: ignore[union-attr]
+            more = run(index.host.holders, bit, hashes, held) - held  # type: ignore[union-attr]
+            if held:
+                gpu[name] = held * BLOCK * STRIDE
+            if more:
+                host[name] = more * BLOCK * STRIDE
+        assert index.match(hashes) == gpu and gpu
+        assert index.match_host(hashes, gpu) == host and host
+
+
 def test_popularity_counts_recent_requests_per_prefix_and_forgets_by_halving():
     from router.prefix_index import PrefixPopularity
 
