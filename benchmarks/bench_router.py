@@ -20,6 +20,7 @@ from loadtest.report import replay_row
 from loadtest.workloads import load_workload
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.tokenizer import TOKEN_DTYPE
+from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -31,6 +32,8 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
     rng = np.random.default_rng(0)
     fleet = [ReplicaState(f"replica-{i}", 26_000) for i in range(replicas)]
     policy = make_policy("cache_aware", time.monotonic, rng, PolicyConfig())
+    for replica in fleet:
+        policy.on_replica_added(replica)
     seed = identity_seed(DEFAULT_MODEL)
     prompts = [
         rng.integers(0, 2**32, prompt_tokens, dtype=np.uint64).astype(TOKEN_DTYPE)
@@ -48,6 +51,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
     for replica in fleet:
         replica.outstanding_requests = int(rng.integers(0, 8))
         replica.outstanding_prefill_tokens = int(rng.integers(0, 20_000))
+        load.changed(replica)
     decisions, hashing = [], []
     for _ in range(repeats):
         start = time.perf_counter()

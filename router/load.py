@@ -33,6 +33,7 @@ def dispatched(
     if _since_report(request, replica):
         replica.requests_since_report += 1
         replica.prefill_tokens_since_report += request.predicted_uncached_tokens
+    _changed(replica)
     policy.on_dispatch(request, replica)
 
 
@@ -44,6 +45,7 @@ def prefilled(request: RoutingRequest, replica: ReplicaState) -> None:
         replica.outstanding_prefill_tokens -= request.predicted_uncached_tokens
         if _since_report(request, replica):
             replica.prefill_tokens_since_report -= request.predicted_uncached_tokens
+        _changed(replica)
 
 
 def completed(policy: Policy, request: RoutingRequest, replica: ReplicaState) -> None:
@@ -53,6 +55,7 @@ def completed(policy: Policy, request: RoutingRequest, replica: ReplicaState) ->
     del replica.in_flight[request.request_id]
     if _since_report(request, replica):
         replica.requests_since_report -= 1
+    _changed(replica)
     policy.on_complete(request, replica)
 
 
@@ -64,6 +67,17 @@ def reported(replica: ReplicaState, report: LoadReport | None) -> None:
     replica.prefill_tokens_since_report = sum(
         r.predicted_uncached_tokens for r in since if r.prefilling
     )
+    _changed(replica)
+
+
+def changed(replica: ReplicaState) -> None:
+    """Its load was set by other means (a test, a benchmark): let the policy re-file it."""
+    _changed(replica)
+
+
+def _changed(replica: ReplicaState) -> None:
+    if replica.on_load_change is not None:
+        replica.on_load_change(replica)
 
 
 def _since_report(request: RoutingRequest, replica: ReplicaState) -> bool:

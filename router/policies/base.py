@@ -45,6 +45,9 @@ class ReplicaState:
     in_flight: dict[str, RoutingRequest] = field(default_factory=dict, repr=False)
     requests_since_report: int = 0
     prefill_tokens_since_report: int = 0
+    #: Told after every change of the load above (``router/load.py`` calls it): the
+    #: policy's ordering of the fleet by load.
+    on_load_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
 
     @property
     def load_requests(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import ClassVar
@@ -11,6 +12,7 @@ import numpy as np
 from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
 from router.policies.baselines import rendezvous, rendezvous_key
 from router.policies.indexed import IndexedPolicy
+from router.policies.load_order import Load, LoadOrder
 from router.prefix_index import IndexConfig, PrefixPopularity
 
 
@@ -50,16 +52,68 @@ class CacheAware(IndexedPolicy):
     tier_aware: ClassVar[bool] = True
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
-        super().__init__(config, clock, rng)
         self.popularity = PrefixPopularity()
+        self.order = LoadOrder()  # filled by on_replica_added, kept by router/load.py
+        super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self._popular_tokens(request)
-        loads = self._loads(replicas)
+        if self.order and len(replicas) == len(self.order):  # the whole fleet
+            chosen = self._choose_in_fleet(request, matched, host, popular)
+        else:  # some replicas are full, or a retry: price the candidates one by one
+            chosen = self._choose_by_scan(request, replicas, matched, host, popular)
+        # the engine reports host hits as cached
+        request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
+            chosen.replica_id, 0
+        )
+        return chosen
+
+    def _choose_in_fleet(
+        self, request: RoutingRequest, matched: dict[str, int], host: dict[str, int], popular: int
+    ) -> ReplicaState:
+        """The scan's choice at the cost of the warm replicas alone: every cold replica
+        costs the same recomputation, so the cheapest by load stands for them all (and
+        those tied with it, in case they tie with the best)."""
+        order = self.order
+        load_of = self._load_function(order.total_requests, len(order))
+        warm = matched.keys() | host.keys()
+        if not warm:
+            least = order.cheapest(load_of)
+            assert least is not None
+            near = order.within(load_of, least.load + self.config.cold_slack_tokens)
+            return rendezvous(rendezvous_key(request), near)
+        prompt = request.num_prompt_tokens
+        costs = {}
+        for replica_id in warm:
+            state = order.states[replica_id]
+            load = load_of(state.load_prefill_tokens, state.load_requests)
+            held = self._held_cost(
+                prompt, popular, matched.get(replica_id, 0), host.get(replica_id, 0)
+            )
+            costs[replica_id] = load + held
+        cold = order.cheapest(load_of, skip=warm)
+        cold_cost = cold.load + self._recompute_cost(prompt, popular, 0) if cold else math.inf
+        best = min(min(costs.values()), cold_cost)
+        tied = [replica_id for replica_id, cost in costs.items() if cost == best]
+        if cold is not None and cold_cost == best:
+            tied += cold.members(skip=warm)
+        tied.sort(key=order.rank.__getitem__)  # as the scan lists them, so ties break alike
+        return self._pick([order.states[replica_id] for replica_id in tied])
+
+    def _choose_by_scan(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        matched: dict[str, int],
+        host: dict[str, int],
+        popular: int,
+    ) -> ReplicaState:
+        """Every candidate priced: the reference that the fleet path must agree with."""
+        load_of = self._load_function(sum(r.load_requests for r in replicas), len(replicas))
+        loads = [load_of(r.load_prefill_tokens, r.load_requests) for r in replicas]
         if not host and not any(matched.values()):
-            request.predicted_cached_tokens = 0
             ceiling = min(loads) + self.config.cold_slack_tokens
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             return rendezvous(rendezvous_key(request), near)
@@ -77,10 +131,7 @@ class CacheAware(IndexedPolicy):
             for r, load in zip(replicas, loads, strict=True)
         ]
         best = min(costs)
-        chosen = self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
-        held = matched.get(chosen.replica_id, 0) + host.get(chosen.replica_id, 0)
-        request.predicted_cached_tokens = held  # the engine reports host hits as cached
-        return chosen
+        return self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
 
     def _held_cost(self, prompt: int, popular: int, gpu: int, host: int) -> float:
         """The work of a replica holding ``gpu`` leading tokens, then ``host`` more."""
@@ -103,18 +154,33 @@ class CacheAware(IndexedPolicy):
         own = prompt - max(popular, cached)
         return self.config.recompute_weight * shared + self.config.private_recompute_weight * own
 
-    def _loads(self, replicas: Sequence[ReplicaState]) -> list[float]:
+    def _load_function(self, requests: int, replicas: int) -> Load:
+        """A replica's load in prefill tokens: its queued prefill, its requests, and
+        those beyond the bound of ``load_bound`` times the fleet's mean (which counts
+        this request)."""
         config = self.config
-        mean = (sum(r.load_requests for r in replicas) + 1) / len(replicas)
-        cap = config.load_bound * mean  # the mean counts this request
+        cap = config.load_bound * (requests + 1) / replicas
         per_request, overflow = config.running_request_tokens, config.overflow_tokens
-        loads = []
-        for replica in replicas:
-            held = replica.load_requests
+
+        def load_of(prefill: int, held: int) -> float:
+            queued = prefill + per_request * held
             excess = held + 1 - cap
-            queued = replica.load_prefill_tokens + per_request * held
-            loads.append(queued + overflow * excess if excess > 0 else queued)
-        return loads
+            return queued + overflow * excess if excess > 0 else queued
+
+        return load_of
+
+    # ------------------------------------------------------------ the fleet
+
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        super().on_replica_added(replica)
+        self.order.update(replica)
+        replica.on_load_change = self.order.update
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        super().on_replica_removed(replica)
+        self.order.remove(replica.replica_id)
+        if replica.on_load_change == self.order.update:
+            replica.on_load_change = None
 
 
 class CacheAwareTierBlind(CacheAware):
