@@ -1,4 +1,4 @@
-"""Offline replay: N engines and one routing policy in virtual time.
+"""Offline replay: N engines and a routing policy in virtual time.
 
 A discrete-event simulation with two kinds of event: a turn *arrives* (the policy
 picks a replica and the request joins that engine's queue) and an engine step is
@@ -6,11 +6,19 @@ picks a replica and the request joins that engine's queue) and an engine step is
 schedule their session's next turn). It drives the very ``Engine`` and ``Policy``
 objects the live system uses, never sleeps, and gives the same figures for the
 same seed.
+
+With ``routers`` G > 1 the requests are spread at random over G routers, each with
+its own policy, index and load view, as G gateways are: each sees the engines' KV
+events and their load reports (one after every engine step, as a replica publishes
+its load on change) ``event_delay_s`` after they happen, and counts its own
+dispatches since the last report (``router.load.reported``). A third kind of event
+delivers them.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -19,9 +27,11 @@ import numpy as np
 from loadtest.workloads import Workload
 from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed, prefix_keys
+from replica.api.kv_events import KVEvent
+from replica.api.stats import LoadReport
 from replica.engine import Engine, EngineConfig, EngineRequest, StepResult
 from router import load
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.policies import Policy, PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 
 @dataclass(frozen=True)
@@ -48,10 +58,16 @@ class ReplayConfig:
     #: Host-memory KV blocks under each replica's GPU blocks (0: none), and their link.
     host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
     host_link: str = field(default="", metadata={"derived": "the profile's"})
+    #: Routers sharing the traffic at random, each with its own index and load view,
+    #: and how long the engines' KV events and load reports take to reach them.
+    routers: int = 1
+    event_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
+        if self.routers < 1 or self.event_delay_s < 0:
+            raise ValueError("routers must be positive and event_delay_s not negative")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         self.engine_config()  # checks the replicas' shape
@@ -96,6 +112,8 @@ class ReplayConfig:
             max_num_seqs=n * self.max_num_seqs,
             max_num_batched_tokens=n * self.max_num_batched_tokens,
             compute_scale=n * self.compute_scale,
+            routers=1,
+            event_delay_s=0.0,
         )
 
 
@@ -150,20 +168,15 @@ class Simulation:
         self.config = config = config.resolved()
         self.now = 0.0
         self.engines = [Engine(config.engine_config()) for _ in range(config.replicas)]
-        self.replicas = [
-            ReplicaState(f"replica-{i}", config.capacity_blocks or 0)
-            for i in range(config.replicas)
-        ]
-        self.policy = make_policy(
-            policy, lambda: self.now, np.random.default_rng(config.seed), config.routing
-        )
-        for replica in self.replicas:
-            self.policy.on_replica_added(replica)
+        self.routers = [self._router(policy, g) for g in range(config.routers)]
+        self.policy, self.replicas = self.routers[0]  # the only one, by default
+        self._pick_router = np.random.default_rng([config.seed, 1])
+        self._indexes = range(config.replicas)
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
         self._seed = identity_seed(config.model)
         self._stride_tokens = config.routing.stride_tokens
-        self._in_flight: dict[str, tuple[int, int, RoutingRequest]] = {}
+        self._in_flight: dict[str, tuple[int, int, RoutingRequest, int]] = {}  # ..., router
         self._stepping = [False] * config.replicas
         self._arrivals: list[tuple[float, int, int, int]] = []  # time, order, session, turn
         self._step_ends: list[tuple[float, int, int, StepResult]] = []  # time, order, engine
@@ -173,14 +186,34 @@ class Simulation:
         self._idle_sessions = list(range(len(workload.sessions)))[::-1]
         self._shared_hashes = self._shared_prefix_hashes()
         self._event_seqs = [0] * config.replicas
+        #: Events and load reports on their way to the routers: time, order, engine, what.
+        self._deliveries: list[tuple[float, int, int, object]] = []
+
+    def _router(self, policy: str, index: int) -> tuple[Policy, list[ReplicaState]]:
+        """One router: its policy (seeded apart from the others) and its replica states."""
+        config = self.config
+        rng = np.random.default_rng(config.seed if index == 0 else [config.seed, 0, index])
+        made = make_policy(policy, lambda: self.now, rng, config.routing)
+        states = [
+            ReplicaState(f"replica-{i}", config.capacity_blocks or 0)
+            for i in range(config.replicas)
+        ]
+        for state in states:
+            made.on_replica_added(state)
+        return made, states
 
     # ------------------------------------------------------------------ running
 
     def run(self) -> ReplayResult:
         self._start_sessions()
-        arrivals, step_ends = self._arrivals, self._step_ends
-        while arrivals or step_ends:
-            if step_ends and (not arrivals or step_ends[0][0] <= arrivals[0][0]):
+        arrivals, step_ends, deliveries = self._arrivals, self._step_ends, self._deliveries
+        while arrivals or step_ends or deliveries:
+            step = step_ends[0][0] if step_ends else math.inf
+            arrival = arrivals[0][0] if arrivals else math.inf
+            if deliveries and deliveries[0][0] <= min(step, arrival):
+                self.now, _, index, payload = heapq.heappop(deliveries)
+                self._deliver(index, payload)
+            elif step_ends and step <= arrival:
                 self.now, _, index, result = heapq.heappop(step_ends)
                 self._done(index, result)
             else:
@@ -194,7 +227,10 @@ class Simulation:
             self.engines,
             self.now,
             self.shared_prefix_evictions,
-            [r.dispatched for r in self.replicas],
+            [
+                sum(states[i].dispatched for _, states in self.routers)
+                for i in range(len(self.engines))
+            ],
         )
 
     def _schedule_arrival(self, time: float, session_index: int, turn_index: int) -> None:
@@ -218,8 +254,10 @@ class Simulation:
         turn.forget_prompt()
         stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed)
         routing = RoutingRequest(request_id, len(prompt), stride_hashes)
-        replica = self.policy.choose(routing, self.replicas)
-        index = self.replicas.index(replica)
+        router = int(self._pick_router.integers(len(self.routers))) if len(self.routers) > 1 else 0
+        policy, replicas = self.routers[router]
+        replica = policy.choose(routing, replicas)
+        index = replicas.index(replica)
         record = RequestRecord(request_id, session_index, turn_index, index, self.now, len(prompt))
         record.shared_prefix_tokens = session.shared_prefix_tokens
         record.predicted_cached_tokens = routing.predicted_cached_tokens
@@ -231,9 +269,9 @@ class Simulation:
             record.error = str(error)
             self._finish(session_index, turn_index)
             return
-        self._in_flight[request_id] = (session_index, turn_index, routing)
+        self._in_flight[request_id] = (session_index, turn_index, routing, router)
         self._note_follow_up(request_id, session_index, turn_index)
-        load.dispatched(self.policy, routing, replica)
+        load.dispatched(policy, routing, replica, now=self.now)
         if not self._stepping[index]:
             self.engines[index].advance_to(self.now)
             self._step(index)
@@ -249,10 +287,10 @@ class Simulation:
             raise RuntimeError(f"engine {index} has requests but scheduled nothing")
 
     def _done(self, index: int, result: StepResult) -> None:
-        replica = self.replicas[index]
         for output in result.outputs:
             record = self.records[output.request_id]
-            session_index, turn_index, routing = self._in_flight[output.request_id]
+            session_index, turn_index, routing, router = self._in_flight[output.request_id]
+            policy, replica = self.routers[router][0], self.routers[router][1][index]
             if record.first_token_s is None:
                 record.first_token_s = self.now
                 load.prefilled(routing, replica)
@@ -261,9 +299,15 @@ class Simulation:
                 record.finish_s = self.now
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
-                load.completed(self.policy, routing, replica)
+                load.completed(policy, routing, replica)
                 self._finish(session_index, turn_index)
         self._forward_kv_events(index)
+        if len(self.routers) > 1:  # a replica publishes its load on change
+            engine = self.engines[index]
+            report = LoadReport(
+                engine.num_running, engine.num_waiting, engine.queued_prefill_tokens, ts=self.now
+            )
+            self._send(index, report)
         self._step(index)
 
     def _finish(self, session_index: int, turn_index: int) -> None:
@@ -327,13 +371,29 @@ class Simulation:
             return
         events, _ = cache.events_since(self._event_seqs[index])
         self._event_seqs[index] = cache.last_event_seq
-        self.policy.on_kv_events(self.replicas[index], events)
+        self._send(index, events)
         if not self._shared_hashes:
             return
         for event in events:
             if event.kind == "removed":
                 evicted = self._shared_hashes.intersection(event.block_hashes)
                 self.shared_prefix_evictions += len(evicted)
+
+    def _send(self, index: int, payload: list[KVEvent] | LoadReport) -> None:
+        """Engine ``index``'s events or load, to every router, after the delay."""
+        if not self.config.event_delay_s:
+            self._deliver(index, payload)
+            return
+        self._order += 1
+        delivery = (self.now + self.config.event_delay_s, self._order, index, payload)
+        heapq.heappush(self._deliveries, delivery)
+
+    def _deliver(self, index: int, payload: object) -> None:
+        for policy, states in self.routers:
+            if isinstance(payload, LoadReport):
+                load.reported(states[index], payload)
+            else:
+                policy.on_kv_events(states[index], payload)  # type: ignore[arg-type]
 
 
 def replay(

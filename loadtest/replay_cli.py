@@ -40,7 +40,7 @@ DEFAULT_CAPACITY_SWEEP = "128,256,512,1024,2048,4096,8192,16384"
 #: utilisation the seed chapter's single engine sees.
 CHAT_SESSIONS_PER_REPLICA = ChatConfig().num_sessions
 CHAT_RATE_PER_REPLICA = ChatConfig().session_rate
-SWEEPABLE = {"replicas": "replicas", "capacity": "capacity_blocks"}
+SWEEPABLE = {"replicas": "replicas", "capacity": "capacity_blocks", "routers": "routers"}
 
 TABLE_KEYS = (
     "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
@@ -66,7 +66,7 @@ def add_replay_parser(commands: Any) -> None:
     parser.add_argument(
         "--sweep",
         metavar="NAME=V1,V2,...",
-        help="rows for several values of replicas or capacity, e.g. replicas=1,2,4,8",
+        help="rows for several values of replicas, capacity or routers, e.g. replicas=1,2,4,8",
     )
     parser.add_argument(
         "--sweep-capacity",
@@ -94,7 +94,7 @@ def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int]]:
         return None, []
     name, _, values = spec.partition("=")
     if name not in SWEEPABLE:
-        raise ValueError(f"--sweep takes replicas=... or capacity=..., got {spec!r}")
+        raise ValueError(f"--sweep takes replicas=..., capacity=... or routers=..., got {spec!r}")
     try:
         return SWEEPABLE[name], [int(v) for v in values.split(",") if v]
     except ValueError:

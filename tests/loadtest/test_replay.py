@@ -197,3 +197,41 @@ def test_the_command_line_writes_a_report_with_charts(tmp_path):
         assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG"), chart
     markdown = (tmp_path / "report.md").read_text()
     assert "![hit_rate.png](hit_rate.png)" in markdown and "cache_aware @ replicas=2" in markdown
+
+
+def test_several_routers_share_the_traffic_and_the_events_keep_precise_mode_whole():
+    """G routers, each with its own index and load view: fed by the engines' events,
+    they keep one router's hit rate; learning only from their own decisions, each sees
+    a G-th of the traffic and loses hits (as G of SGLang's routers do)."""
+    workload = chat_workload(FLEET)
+    config = fleet(replicas=4, capacity_blocks=1024)
+    one = {
+        p: replay_row(replay(workload, config, p)) for p in ("cache_aware", "cache_aware_approx")
+    }
+    rows = {}
+    for policy in ("cache_aware", "cache_aware_approx"):
+        simulation = Simulation(workload, replace(config, routers=4, event_delay_s=0.05), policy)
+        rows[policy] = replay_row(simulation.run())
+        dispatched = [sum(s.dispatched for s in states) for _, states in simulation.routers]
+        assert all(d > 0 for d in dispatched) and sum(dispatched) == rows[policy]["requests"]
+        for _, states in simulation.routers:  # every router's counts came back to zero
+            assert all(s.outstanding_requests == s.outstanding_prefill_tokens == 0 for s in states)
+            assert all(s.report is not None for s in states)  # and it heard the engines' load
+    precise_loss = one["cache_aware"]["token_hit_rate"] - rows["cache_aware"]["token_hit_rate"]
+    approx_loss = (
+        one["cache_aware_approx"]["token_hit_rate"] - rows["cache_aware_approx"]["token_hit_rate"]
+    )
+    assert precise_loss < 0.01 < approx_loss
+    assert (
+        rows["cache_aware"]["prediction_accuracy"]
+        > rows["cache_aware_approx"]["prediction_accuracy"]
+    )
+
+
+def test_one_router_without_delay_is_the_replay_of_before():
+    workload = chat_workload(SMALL)
+    base = replay_row(replay(workload, fleet(), "cache_aware"))
+    same = replay_row(replay(workload, fleet(routers=1, event_delay_s=0.0), "cache_aware"))
+    assert same == base
+    with pytest.raises(ValueError, match="routers must be positive"):
+        fleet(routers=0)
