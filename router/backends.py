@@ -202,9 +202,10 @@ class BackendPool:
 
     async def _probe_forever(self, backend: Backend) -> None:
         """Open the backend's circuit after ``failure_threshold`` failed probes in a
-        row, close it after one good probe. A backend whose pushed events flow is alive
-        without asking; otherwise its ``/kv_events`` is polled every 50 ms (ours without
-        a push) or its ``/health`` probed (vLLM, SGLang, or a silent stream)."""
+        row, close it after one good probe. A backend whose stream has a heartbeat (ours)
+        is alive while it beats; otherwise its ``/kv_events`` is polled every 50 ms (ours
+        without a push) or its ``/health`` probed (vLLM and SGLang, whose event streams
+        are quiet whenever their caches are, or a silent stream)."""
         while True:
             healthy = await self._probe(backend)
             if healthy:
@@ -223,8 +224,9 @@ class BackendPool:
 
     async def _probe(self, backend: Backend) -> bool:
         stream = backend.stream
-        if stream is not None and backend.healthy and not stream.stale:
-            return True  # its stream speaks at least every 50 ms
+        beating = stream is not None and stream.endpoint.load_endpoint and not stream.stale
+        if beating and backend.healthy:
+            return True  # its stream has a heartbeat: it speaks at least every 50 ms
         if stream is None and backend.healthy and backend.events_supported:
             return await self._follow_events(backend)
         try:

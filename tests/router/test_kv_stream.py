@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from deploy.processes import running
+from deploy.processes import free_port, running
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
@@ -274,6 +274,30 @@ def test_a_vllm_server_named_per_backend_is_routed_precisely_and_never_goes_stal
                     assert int(answer.headers["x-prefix-router-predicted-cached-tokens"]) == 512
                 streams = {b.url: b.kv_stream for b in gateway_stats(gateway).backends}
                 assert not streams[foreign].stale and streams[foreign].endpoint.endswith(str(port))
+    finally:
+        publisher.close(linger=0)
+        context.term()
+
+
+@pytest.mark.slow
+def test_a_vllm_server_that_dies_is_found_by_its_health_probe_not_by_its_quiet_stream():
+    """A foreign stream has no heartbeat, so its quiet says nothing: its /health does."""
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with running(["replica"]) as (alive,):
+            dead = f"http://127.0.0.1:{free_port()}"  # nothing answers there
+            spec = f"{dead},kv=tcp://127.0.0.1:{port}"
+            with running(["gateway", f"--backend={spec}", f"--backend={alive}"]) as (gateway,):
+                deadline = time.monotonic() + 10
+                while True:
+                    health = {b.url: b.healthy for b in gateway_stats(gateway).backends}
+                    if not health[dead]:
+                        break
+                    assert time.monotonic() < deadline, "the dead backend still looks healthy"
+                    time.sleep(0.1)
+                assert health[alive]
     finally:
         publisher.close(linger=0)
         context.term()
