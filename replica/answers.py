@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from replica.api import openai as api
 from replica.api.tokenizer import Tokenizer
 from replica.engine import RequestOutput
 
@@ -206,7 +207,7 @@ class Answer:
             first_of_prompt.setdefault(prompt, choice)
         prompt_tokens = sum(c.prompt_tokens for c in first_of_prompt.values())
         cached = sum(c.cached_tokens for c in first_of_prompt.values())
-        return usage(prompt_tokens, sum(c.output_tokens for c in self.choices), cached)
+        return api.usage(prompt_tokens, sum(c.output_tokens for c in self.choices), cached)
 
     # ----------------------------------------------------------------- logprobs
 
@@ -315,12 +316,3 @@ class ChoiceOutputs:
 
 def event(chunk: dict[str, Any]) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }

@@ -7,7 +7,6 @@ values become a 400 naming the problem, as OpenAI and vLLM answer.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, Literal
 
@@ -243,70 +242,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def completion_body(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
-
-
-def chat_body(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
-) -> dict[str, Any]:
-    body = completion_body(request_id, model, text, finish_reason, None)
-    del body["usage"]
-    return body
-
-
-def chat_chunk(
-    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def usage_chunk(request_id: str, model: str, kind: str, usage_: dict) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage_,
     }
 
 
