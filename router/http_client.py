@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -196,6 +197,19 @@ class _Connection(asyncio.Protocol):
         return self._error is not None and not self._received_any
 
 
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[tuple[str, int], bytes]:
+    """Where ``url`` is, and the head of a POST to it up to its content length: the
+    same few backend URLs every request, so parsed once each."""
+    parts = urlsplit(url)
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+        "content-type: application/json\r\ncontent-length: "
+    ).encode("latin-1")
+    return (parts.hostname or "127.0.0.1", parts.port or 80), head
+
+
 class Client:
     """Kept-alive connections to every backend, for POSTing JSON bodies."""
 
@@ -205,13 +219,8 @@ class Client:
 
     async def post(self, url: str, body: bytes) -> Response:
         """POST ``body`` (JSON) to ``url``; the answer's head has arrived on return."""
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        request = (
-            f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-        ).encode("latin-1") + body
+        (host, port), head = _target(url)
+        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         deadline = time.monotonic() + self.timeouts.total_s
         pool = self._idle.setdefault((host, port), [])
         while pool:  # a kept-alive connection; if the backend had dropped it, another
