@@ -1,9 +1,11 @@
 """`prefix-router serve`: a real local Ray, replica actors and the gateway, stopped by Ctrl-C."""
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -19,17 +21,38 @@ def ray_processes() -> set[int]:
     return {int(pid) for pid in out.stdout.split()}
 
 
-def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``prefix-router serve`` with two replicas, then Ctrl-C, which must end it with
+    status 0 and leave no Ray instance behind."""
     before = ray_processes()
     port = free_port()
     command = [
         sys.executable, "-m", "deploy.cli", "serve", "--replicas", "2", "--port", str(port),
-        "--replica-speedup", "20",
+        "--replica-speedup", "20", *flags,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(url, process, timeout_s=120)
+        yield url, process
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert code == 0, process.stderr.read() if process.stderr else ""
+    for _ in range(50):
+        if ray_processes() <= before:
+            break
+        time.sleep(0.2)
+    assert ray_processes() <= before, "serve left a Ray instance running"
+
+
+def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
+    with serving() as (url, _):
         for _ in range(100):  # the gateway finds the replica actors by name
             if len(httpx.get(url + "/stats").json()["backends"]) == 2:
                 break
@@ -47,32 +70,10 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
             for q in ("first?", "second?")
         ]
         assert replies[1].usage.prompt_tokens_details.cached_tokens > 200
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert code == 0, process.stderr.read() if process.stderr else ""
-    for _ in range(50):
-        if ray_processes() <= before:
-            break
-        time.sleep(0.2)
-    assert ray_processes() <= before, "serve left a Ray instance running"
 
 
 def test_serve_with_two_gateways_shares_one_port_between_two_processes():
-    before = ray_processes()
-    port = free_port()
-    command = [
-        sys.executable, "-m", "deploy.cli", "serve", "--replicas", "2", "--gateways", "2",
-        "--port", str(port), "--replica-speedup", "20",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(url, process, timeout_s=120)
+    with serving("--gateways", "2") as (url, process):
         pids: set[int] = set()
         for _ in range(40):  # a new connection each time: the kernel spreads them
             stats = httpx.get(url + "/stats").json()
@@ -90,16 +91,3 @@ def test_serve_with_two_gateways_shares_one_port_between_two_processes():
             )
             assert reply.status_code == 200
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert code == 0, process.stderr.read() if process.stderr else ""
-    for _ in range(50):
-        if ray_processes() <= before:
-            break
-        time.sleep(0.2)
-    assert ray_processes() <= before, "serve left a Ray instance running"
