@@ -116,7 +116,9 @@ def up(
         for name in wanted
     ]
     urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
-    fronts, _ = start_gateways(gateway, host, [port] * gateways, nodes[:gateways], detached=True)
+    fronts, _ = start_gateways(
+        gateway, host, [port] * gateways, nodes[:gateways], detached=True, backends=replicas
+    )
     return fronts, urls
 
 

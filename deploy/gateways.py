@@ -63,6 +63,14 @@ class GatewayServer:
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    async def ready(self, backends: int) -> None:
+        """Once it routes to ``backends`` replicas (it finds the actors by name, a
+        moment after it starts): a gateway that answered 503 would not be ready."""
+        await self.url()
+        pool = self._app.state.gateway.pool
+        while len(pool.backends) < backends:
+            await asyncio.sleep(0.05)
+
 
 GatewayActor: Any = ray.remote(max_restarts=-1)(GatewayServer)
 
@@ -77,11 +85,13 @@ def start_gateways(
     ports: list[int],
     nodes: Sequence[str] = (),
     detached: bool = False,
+    backends: int = 0,
 ) -> tuple[list[str], list[Any]]:
     """Gateways ``gateway-0`` .. ``gateway-{len(ports)-1}`` (those running stay, the
     ones beyond are removed), gateway ``i`` on ``ports[i]`` and, given ``nodes``, on
-    node ``nodes[i]``. Returns their URLs and handles (an actor that is not detached
-    lives as long as a handle to it)."""
+    node ``nodes[i]``, each routing to ``backends`` replicas when this returns.
+    Returns their URLs and handles (an actor that is not detached lives as long as a
+    handle to it)."""
     for name in gateway_names()[len(ports) :]:
         ray.kill(ray.get_actor(name), no_restart=True)
     handles = []
@@ -98,6 +108,7 @@ def start_gateways(
             ).remote(config, host, port)
         )
     urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
+    ray.get([handle.ready.remote(backends) for handle in handles], timeout=120)
     return cast(list[str], urls), handles
 
 

@@ -63,7 +63,7 @@ def serve(
             serve_http(create_app(gateway, ray_replica_prefix=REPLICA_PREFIX), host, port)
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
-        fronts, gateway_actors = start_gateways(gateway, host, ports)
+        fronts, gateway_actors = start_gateways(gateway, host, ports, backends=replicas)
         actors += gateway_actors  # held until the end: an actor lives as long as its handle
         for url in fronts:
             print(f"gateway: {url}/v1 (policy {gateway.policy})", flush=True)
