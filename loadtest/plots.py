@@ -123,20 +123,50 @@ def _grouped_bars(
 
 
 def sweep_chart(rows: Sequence[Row], key: str, path: Path) -> None:
-    """Token hit rate against the swept parameter, one line per policy."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(r["policy"] for r in rows if r.get("policy")):
-        points = sorted((r[key], r["token_hit_rate"]) for r in rows if r.get("policy") == policy)
-        ax.plot(
-            [p[0] for p in points], [100 * (p[1] or 0) for p in points], marker="o", label=policy
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(key.replace("_", " "))
-    ax.set_ylabel("token hit rate (%)")
-    ax.set_title(f"Hit rate as {key.replace('_', ' ')} grows")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    """Hit rate, TTFT and imbalance against the swept parameter, one line per policy;
+    the single pooled engine of the same size drawn dashed, as the target."""
+    panels = (
+        ("token_hit_rate", "token hit rate (%)", 100.0),
+        ("ttft_p99_s", "TTFT p99 (ms)", 1000.0),
+        ("imbalance", "imbalance (max / mean requests)", 1.0),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    lines = _sweep_lines(rows, key)
+    for ax, (figure, ylabel, scale) in zip(axes, panels, strict=True):
+        for name, points in lines.items():
+            xs = [x for x, row in points if row.get(figure) is not None]
+            ys = [scale * row[figure] for _, row in points if row.get(figure) is not None]
+            if xs:
+                style = "--" if name == POOLED else "-"
+                ax.plot(xs, ys, marker="o", linestyle=style, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(key.replace("_", " "))
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title(f"Hit rate as {key.replace('_', ' ')} grows")
+    axes[1].set_yscale("log")
+    axes[1].set_title("Time to first token")
+    axes[2].set_title("Load spread")
+    axes[0].legend(fontsize=8)
     _save(fig, path)
+
+
+#: The legend's name for the ``single_engine_Nx`` rows: one pooled engine per size.
+POOLED = "single engine (pooled)"
+
+
+def _sweep_lines(rows: Sequence[Row], key: str) -> dict[str, list[tuple[float, Row]]]:
+    """Rows grouped into lines: one per policy, one for the pooled engines."""
+    lines: dict[str, list[tuple[float, Row]]] = {}
+    for row in rows:
+        if row.get("policy"):
+            name = row["policy"]
+        elif str(row["label"]).startswith("single_engine"):
+            name = POOLED
+        else:
+            continue
+        lines.setdefault(name, []).append((row[key], row))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in lines.items()}
 
 
 def _save(fig: plt.Figure, path: Path) -> None:

@@ -21,6 +21,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
-from replica.engine import Engine, EngineConfig, EngineRequest, StepResult
+from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
 from router.policies import Policy, PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
@@ -51,7 +52,7 @@ class ReplayConfig:
     #: The router's knobs, the fleet's block size and the stride: the very object a
     #: live gateway routes with (``GatewayConfig.routing``).
     routing: PolicyConfig = field(default_factory=PolicyConfig)
-    #: Decode iterations an engine may run per event (exact: see ``Engine.step``).
+    #: Decode iterations an engine may plan per event (exact: see ``Engine.plan_burst``).
     max_burst_steps: int = 64
     #: Each engine computes this many times faster than its profile's GPU.
     compute_scale: float = 1.0
@@ -152,9 +153,11 @@ class Simulation:
     """One replay run; :meth:`run` returns a :class:`ReplayResult`.
 
     Two queues of events: turn arrivals and engine steps ending. An engine whose batch
-    is all decodes runs several iterations per event (a decode burst), but never past
-    the next moment a request could be routed to it: the next queued arrival, or the
-    earliest follow-up turn that a request now in flight could send.
+    is all decodes plans several iterations as one event (a decode burst, up to its
+    first request's end); a request routed to it mid-burst cuts the burst after the
+    iteration running at that moment, so every engine does what single steps would
+    have done, and an engine with no new work sleeps through its whole burst however
+    busy the rest of the fleet is.
     """
 
     def __init__(
@@ -174,13 +177,15 @@ class Simulation:
         self._indexes = range(config.replicas)
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
-        self._seed = identity_seed(config.model)
+        self._seed = lru_cache(maxsize=None)(partial(identity_seed, config.model))  # by tenant
         self._stride_tokens = config.routing.stride_tokens
         self._in_flight: dict[str, tuple[int, int, RoutingRequest, int]] = {}  # ..., router
         self._stepping = [False] * config.replicas
+        #: The burst each engine is in, with the iterations it will run (None: none).
+        self._bursts: list[tuple[Burst, int] | None] = [None] * config.replicas
         self._arrivals: list[tuple[float, int, int, int]] = []  # time, order, session, turn
-        self._step_ends: list[tuple[float, int, int, StepResult]] = []  # time, order, engine
-        self._follow_ups: list[tuple[float, str]] = []  # think time of in-flight turns' next
+        #: time, order, engine, and what ends: a step run, or a burst to run now.
+        self._step_ends: list[tuple[float, int, int, StepResult | tuple[Burst, int]]] = []
         self._order = 0
         self._on_request_done = on_request_done or (lambda: None)
         self._idle_sessions = list(range(len(workload.sessions)))[::-1]
@@ -214,8 +219,8 @@ class Simulation:
                 self.now, _, index, payload = heapq.heappop(deliveries)
                 self._deliver(index, payload)
             elif step_ends and step <= arrival:
-                self.now, _, index, result = heapq.heappop(step_ends)
-                self._done(index, result)
+                self.now, _, index, ended = heapq.heappop(step_ends)
+                self._done(index, ended)
             else:
                 self.now, _, session_index, turn_index = heapq.heappop(arrivals)
                 self._arrive(session_index, turn_index)
@@ -252,7 +257,7 @@ class Simulation:
         request_id = f"{session.session_id}/{turn_index}"
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed)
+        stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed(session.cache_salt))
         routing = RoutingRequest(request_id, len(prompt), stride_hashes)
         router = int(self._pick_router.integers(len(self.routers))) if len(self.routers) > 1 else 0
         policy, replicas = self.routers[router]
@@ -263,22 +268,31 @@ class Simulation:
         record.predicted_cached_tokens = routing.predicted_cached_tokens
         self.records[request_id] = record
         try:
-            request = EngineRequest(request_id, prompt, turn.max_tokens, ignore_eos=True)
+            request = EngineRequest(
+                request_id, prompt, turn.max_tokens, ignore_eos=True, cache_salt=session.cache_salt
+            )
             self.engines[index].add_request(request)
         except ValueError as error:
             record.error = str(error)
             self._finish(session_index, turn_index)
             return
         self._in_flight[request_id] = (session_index, turn_index, routing, router)
-        self._note_follow_up(request_id, session_index, turn_index)
         load.dispatched(policy, routing, replica, now=self.now)
         if not self._stepping[index]:
             self.engines[index].advance_to(self.now)
             self._step(index)
+        elif self._bursts[index] is not None:
+            self._cut_burst(index)
 
     def _step(self, index: int) -> None:
         engine = self.engines[index]
-        result = engine.step(self.config.max_burst_steps, self._burst_deadline())
+        if self.config.max_burst_steps > 1 and (
+            burst := engine.plan_burst(self.config.max_burst_steps)
+        ):
+            self._stepping[index] = True
+            self._schedule_burst(index, burst, burst.max_steps)
+            return
+        result = engine.step()
         self._stepping[index] = bool(result.duration_s)
         if result.duration_s:
             self._order += 1
@@ -286,7 +300,27 @@ class Simulation:
         elif engine.has_unfinished:
             raise RuntimeError(f"engine {index} has requests but scheduled nothing")
 
-    def _done(self, index: int, result: StepResult) -> None:
+    def _schedule_burst(self, index: int, burst: Burst, steps: int) -> None:
+        self._bursts[index] = planned = (burst, steps)
+        self._order += 1
+        heapq.heappush(self._step_ends, (burst.end_of(steps), self._order, index, planned))
+
+    def _cut_burst(self, index: int) -> None:
+        """A request joined engine ``index`` mid-burst: stop after the running iteration.
+        The burst's later end stays queued, and is ignored when it comes."""
+        burst, steps = self._bursts[index]  # type: ignore[misc]
+        cut = burst.steps_past(self.now)
+        if cut < steps:
+            self._schedule_burst(index, burst, cut)
+
+    def _done(self, index: int, ended: StepResult | tuple[Burst, int]) -> None:
+        if isinstance(ended, tuple):
+            if ended is not self._bursts[index]:
+                return  # a burst's end that was cut short
+            self._bursts[index] = None
+            result = self.engines[index].run_burst(*ended)
+        else:
+            result = ended
         for output in result.outputs:
             record = self.records[output.request_id]
             session_index, turn_index, routing, router = self._in_flight[output.request_id]
@@ -321,28 +355,6 @@ class Simulation:
             self._schedule_arrival(self.now + think, session_index, turn_index + 1)
         elif self._idle_sessions:
             self._schedule_arrival(self.now, self._idle_sessions.pop(), 0)
-
-    # ------------------------------------------------------------- bursts
-
-    def _note_follow_up(self, request_id: str, session_index: int, turn_index: int) -> None:
-        """Remember how soon after it ends this request may cause another arrival."""
-        if self.workload.arrival == "trace":
-            return
-        turns = self.workload.sessions[session_index].turns
-        if turn_index + 1 < len(turns):
-            heapq.heappush(self._follow_ups, (turns[turn_index + 1].think_time_s, request_id))
-        elif self.workload.arrival == "closed" and self._idle_sessions:
-            heapq.heappush(self._follow_ups, (0.0, request_id))
-
-    def _burst_deadline(self) -> float | None:
-        """The earliest time a new request could be routed anywhere."""
-        follow_ups = self._follow_ups
-        while follow_ups and follow_ups[0][1] not in self._in_flight:
-            heapq.heappop(follow_ups)  # that request has ended
-        deadline = self._arrivals[0][0] if self._arrivals else float("inf")
-        if follow_ups:
-            deadline = min(deadline, self.now + follow_ups[0][0])
-        return deadline
 
     # ----------------------------------------------------- shared-prefix watch
 
@@ -418,14 +430,15 @@ class Bound:
 
 def infinite_cache_bound(workload: Workload, result: ReplayResult) -> Bound:
     block_size = result.config.block_size
-    seed = identity_seed(result.config.model)
+    seed = lru_cache(maxsize=None)(partial(identity_seed, result.config.model))  # by tenant
     seen: set[int] = set()
     prompt_tokens = cached_tokens = query_blocks = hit_blocks = 0
     for record in sorted(result.records, key=lambda r: r.arrival_s):
-        turn = workload.sessions[record.session].turns[record.turn]
+        session = workload.sessions[record.session]
+        turn = session.turns[record.turn]
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        hashes = block_hashes(prompt, block_size, seed)
+        hashes = block_hashes(prompt, block_size, seed(session.cache_salt))
         limit = (len(prompt) - 1) // block_size  # an engine computes the last token
         hits = next((i for i, h in enumerate(hashes[:limit]) if h not in seen), limit)
         seen.update(hashes)

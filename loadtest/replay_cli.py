@@ -76,6 +76,35 @@ def add_replay_parser(commands: Any) -> None:
         help=f"same as --sweep capacity=... (default list: {DEFAULT_CAPACITY_SWEEP})",
     )
     parser.add_argument("--limit", type=int, help="replay only the first N trace requests")
+    scale = parser.add_argument_group(
+        "load by fleet size",
+        "chat's sessions and rate grow with the replicas unless --chat-num-sessions or "
+        "--chat-session-rate is given; a trace is copied once per --replicas-per-copy",
+    )
+    scale.add_argument(
+        "--sessions-per-replica",
+        type=int,
+        default=CHAT_SESSIONS_PER_REPLICA,
+        help=f"chat sessions per replica (default: {CHAT_SESSIONS_PER_REPLICA})",
+    )
+    scale.add_argument(
+        "--rate-per-replica",
+        type=float,
+        default=CHAT_RATE_PER_REPLICA,
+        help=f"chat sessions started per second per replica (default: {CHAT_RATE_PER_REPLICA})",
+    )
+    scale.add_argument(
+        "--replicas-per-copy",
+        type=int,
+        help="one copy of the trace per this many replicas, each copy a tenant of its own "
+        "shifted in time (default: one copy whatever the fleet)",
+    )
+    scale.add_argument(
+        "--copy-shift-s",
+        type=float,
+        default=60.0,
+        help="the copies start spread over this many seconds (default: 60)",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip the reference rows")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md sec. 7)")
     parser.add_argument("--out", metavar="DIR", help="write report.md, report.json and PNG charts")
@@ -116,8 +145,8 @@ def _workload_loader(args: argparse.Namespace) -> Callable[[int], Workload]:
     built: dict[int, Workload] = {}
 
     def load(replicas: int) -> Workload:
-        if args.workload != "chat":
-            replicas = 0  # traces do not scale
+        if args.workload != "chat" and args.replicas_per_copy is None:
+            replicas = 0  # the trace as it is, whatever the fleet
         if replicas not in built:
             built[replicas] = load_workload(args.workload, _workload_overrides(args, replicas))
         return built[replicas]
@@ -127,10 +156,14 @@ def _workload_loader(args: argparse.Namespace) -> Callable[[int], Workload]:
 
 def _workload_overrides(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
     if args.workload != "chat":
-        return {} if args.limit is None else {"limit": args.limit}
+        trace: dict[str, Any] = {} if args.limit is None else {"limit": args.limit}
+        if args.replicas_per_copy is not None:
+            trace["copies"] = max(1, replicas // args.replicas_per_copy)
+            trace["copy_shift_s"] = args.copy_shift_s
+        return trace
     overrides = config_overrides(args, ChatConfig, prefix="chat_")
-    overrides.setdefault("num_sessions", CHAT_SESSIONS_PER_REPLICA * replicas)
-    overrides.setdefault("session_rate", CHAT_RATE_PER_REPLICA * replicas)
+    overrides.setdefault("num_sessions", args.sessions_per_replica * replicas)
+    overrides.setdefault("session_rate", args.rate_per_replica * replicas)
     overrides["seed"] = args.seed if args.seed is not None else ReplayConfig().seed
     return overrides
 
@@ -207,6 +240,8 @@ def _reference_rows(
         pooled = _run(workload, config.pooled(), "round_robin", label, args)
         row = replay_row(pooled, label)
         row.update(policy=None, replicas=config.replicas, capacity_blocks=config.capacity_blocks)
+        if sweep_key:  # drawn at the point it stands for (``routers``: one engine for any G)
+            row[sweep_key] = getattr(config, sweep_key)
         rows.append(row)
     return rows
 

@@ -54,6 +54,8 @@ class Session:
     app: int = 0
     #: Token ranges ``[0, n)`` of the prompt shared across sessions (the system prompt).
     shared_prefix_tokens: int = 0
+    #: The tenant's cache salt: its blocks never share an identity with another tenant's.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -229,8 +231,21 @@ def trace_prompt(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
     return tokens[:input_length]
 
 
-def trace_workload(path: str | Path, limit: int | None = None, time_scale: float = 1.0) -> Workload:
-    """A Mooncake-format JSONL trace: one request per line, at its timestamp (ms)."""
+def trace_workload(
+    path: str | Path,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    copies: int = 1,
+    copy_shift_s: float = 60.0,
+) -> Workload:
+    """A Mooncake-format JSONL trace: one request per line, at its timestamp (ms).
+
+    ``copies`` > 1 scales it for a larger fleet: copy k replays the trace as tenant
+    ``copy-k`` (a cache salt of its own, so no copy shares a block with another) and
+    ``k * copy_shift_s / copies`` seconds later, so the copies interleave.
+    """
+    if copies < 1 or copy_shift_s < 0:
+        raise ValueError("copies must be positive and copy_shift_s not negative")
     sessions = []
     with open(path, encoding="utf-8") as lines:
         for index, line in enumerate(lines):
@@ -245,7 +260,26 @@ def trace_workload(path: str | Path, limit: int | None = None, time_scale: float
                 timestamp_s=start,
             )
             sessions.append(Session(f"trace-{index}", start, (turn,), 0, TRACE_BLOCK_TOKENS))
-    return Workload(f"trace:{path}", tuple(sessions), "trace")
+    original = tuple(sessions)
+    for copy in range(1, copies):
+        shift = copy * copy_shift_s / copies
+        sessions += [_shifted(session, shift, f"copy-{copy}") for session in original]
+    name = f"trace:{path}" + (f" x{copies}" if copies > 1 else "")
+    return Workload(name, tuple(sessions), "trace")
+
+
+def _shifted(session: Session, shift_s: float, tenant: str) -> Session:
+    """``session`` as ``tenant`` plays it, ``shift_s`` later."""
+    turns = tuple(
+        replace(turn, timestamp_s=(turn.timestamp_s or 0.0) + shift_s) for turn in session.turns
+    )
+    return replace(
+        session,
+        session_id=f"{tenant}/{session.session_id}",
+        start_time_s=session.start_time_s + shift_s,
+        turns=turns,
+        cache_salt=tenant,
+    )
 
 
 # --------------------------------------------------------------------- by name
@@ -264,5 +298,9 @@ def load_workload(spec: str, overrides: dict[str, Any] | None = None) -> Workloa
         path = spec.removeprefix("trace:")
         if not Path(path).is_file():
             raise ValueError(f"trace file {path!r} not found")
-        return trace_workload(path, overrides.get("limit"), overrides.get("time_scale", 1.0))
+        known = {"limit", "time_scale", "copies", "copy_shift_s"}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown trace parameters {sorted(unknown)}; known: {sorted(known)}")
+        return trace_workload(path, **overrides)
     raise ValueError(f"unknown workload {spec!r}; expected 'chat' or 'trace:PATH'")

@@ -18,7 +18,7 @@ memory-bound step and is nearly free, while a load always pays its latency and b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -161,12 +161,13 @@ class CostProfile:
         """KV blocks the profile's typical host memory holds."""
         return int(self.num_gpus * self.host_memory_bytes // (self.kv_bytes_per_token * block_size))
 
-    def decode_step_times(self, num_seqs: int, context_tokens: int, num_steps: int) -> list[float]:
-        """Durations of ``num_steps`` decode-only steps; every step adds a token per sequence."""
-        return [
-            self._time(num_seqs, num_seqs, context, context)
-            for context in range(context_tokens, context_tokens + num_steps * num_seqs, num_seqs)
-        ]
+    def decode_step_times(
+        self, num_seqs: int, context_tokens: int, num_steps: int
+    ) -> Iterator[float]:
+        """Durations of ``num_steps`` decode-only steps; every step adds a token per
+        sequence. Lazy: a caller may stop early."""
+        for context in range(context_tokens, context_tokens + num_steps * num_seqs, num_seqs):
+            yield self._time(num_seqs, num_seqs, context, context)
 
     def _time(self, tokens: int, seqs: int, attention_pairs: float, kv_read_tokens: int) -> float:
         flops = (

@@ -9,8 +9,10 @@ and the same calls, it produces the same tokens and the same durations.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import xxhash
 
@@ -25,6 +27,7 @@ from replica.sequence import EngineRequest, FinishReason, Sequence
 
 #: The engine's face to its drivers (the replica server and the offline replayer).
 __all__ = [
+    "Burst",
     "Engine",
     "EngineConfig",
     "EngineRequest",
@@ -119,6 +122,28 @@ class StepResult:
     num_steps: int = 1
 
 
+@dataclass(frozen=True)
+class Burst:
+    """Decode iterations planned from ``start_s``: how long the first k of them take."""
+
+    start_s: float
+    elapsed: list[float]  # elapsed[k - 1]: the first k iterations' duration
+    batch: BatchShape
+
+    @property
+    def max_steps(self) -> int:
+        return len(self.elapsed)
+
+    def end_of(self, steps: int) -> float:
+        return self.start_s + self.elapsed[steps - 1]
+
+    def steps_past(self, time_s: float) -> int:
+        """Iterations to run for the last of them to end after ``time_s``: a request
+        that comes at ``time_s`` joins the batch after that one, as with single steps."""
+        ends_by = bisect_right(self.elapsed, time_s, key=lambda elapsed: self.start_s + elapsed)
+        return min(ends_by + 1, self.max_steps)
+
+
 class Engine:
     def __init__(
         self,
@@ -207,19 +232,8 @@ class Engine:
         """Let virtual time pass while idle (the clock never goes backwards)."""
         self.now = max(self.now, now)
 
-    def step(self, max_steps: int = 1, deadline: float | None = None) -> StepResult:
-        """Run one iteration; an idle engine returns an empty result of zero duration.
-
-        With ``max_steps`` > 1, a batch of decodes only (nothing waiting, no prefill)
-        runs up to that many iterations at once, ending early when a request finishes
-        or when the next iteration would end after ``deadline`` (virtual time): the
-        same tokens and times as single steps, for callers (the offline replayer) that
-        look only at first tokens and completions.
-        """
-        if max_steps > 1:
-            burst = self._decode_burst(max_steps, deadline)
-            if burst is not None:
-                return burst
+    def step(self) -> StepResult:
+        """Run one iteration; an idle engine returns an empty result of zero duration."""
         chunks = self.scheduler.schedule()
         batch = batch_shape(chunks)
         duration = self.cost.step_time(batch, self.link) / self.config.compute_scale
@@ -255,33 +269,47 @@ class Engine:
             num_output_tokens=len(seq.output_token_ids),
         )
 
-    def _decode_burst(self, max_steps: int, deadline: float | None) -> StepResult | None:
+    # ------------------------------------------------------------ decode bursts
+
+    def plan_burst(self, max_steps: int) -> Burst | None:
+        """Up to ``max_steps`` decode iterations that could run from now, or ``None``
+        unless the batch is decodes only (nothing waiting, no prefill) and at least two
+        iterations fit (a request's end, an EOS, or the KV pool's room stop them).
+
+        Nothing changes until :meth:`run_burst`, which may run fewer of them: a caller
+        that learns of a new request mid-burst (the offline replayer) runs the burst to
+        the first iteration ending after the request came, and the engine then does
+        exactly what single steps would have done.
+        """
         scheduler = self.scheduler
         running = scheduler.running
         if scheduler.waiting or not running or any(s.num_uncomputed_tokens != 1 for s in running):
             return None
         steps = min(max_steps, *(s.request.max_tokens - len(s.output_token_ids) for s in running))
-        drawn = {seq.request_id: self._draw_tokens(seq, steps) for seq in running}
-        steps = min(len(tokens) for tokens in drawn.values())  # a reply ended with EOS
+        for seq in running:  # a reply that may end with EOS ends the burst there
+            if not seq.request.ignore_eos and steps > 1:
+                steps = min(steps, len(self._draw_tokens(seq, steps)))
+        if steps < 2 or not scheduler.can_grow_all(steps):
+            return None
         context = sum(s.num_computed_tokens + 1 for s in running)
         scale = self.config.compute_scale
         durations = [d / scale for d in self.cost.decode_step_times(len(running), context, steps)]
-        if deadline is not None:
-            elapsed = self.now
-            for index, duration in enumerate(durations):
-                elapsed += duration
-                if elapsed > deadline and index:
-                    steps = index
-                    break
-        if steps < 2 or not scheduler.grow_all(steps):
-            return None
-        duration = sum(durations[:steps])
+        batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
+        return Burst(self.now, list(accumulate(durations)), batch)
+
+    def run_burst(self, burst: Burst, steps: int) -> StepResult:
+        """Run the first ``steps`` iterations of a burst planned on this engine's
+        current state (only new requests may have been added since)."""
+        assert self.now == burst.start_s and 1 <= steps <= burst.max_steps
+        if not self.scheduler.grow_all(steps):
+            raise RuntimeError("a planned burst lost its KV blocks")
+        duration = burst.elapsed[steps - 1]
         self.now += duration
         self.busy_s += duration
         self.num_steps += steps
-        batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
-        outputs = [self._advance_by(seq, drawn[seq.request_id][:steps]) for seq in list(running)]
-        return StepResult(duration, outputs, batch, steps)
+        running = list(self.scheduler.running)
+        outputs = [self._advance_by(seq, self._draw_tokens(seq, steps)) for seq in running]
+        return StepResult(duration, outputs, burst.batch, steps)
 
     def _draw_tokens(self, seq: Sequence, count: int) -> list[int]:
         """The next ``count`` tokens of ``seq``, cut after an EOS it does not ignore."""

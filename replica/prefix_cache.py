@@ -85,6 +85,33 @@ class _Run:
         self.tokens.append(tokens)
 
 
+class _FreeBlocks:
+    """The empty blocks, first in first out. A block's object is made on its first use,
+    so a cache costs memory for the blocks it used, not for its size: a replay of a
+    thousand replicas of 26,000 blocks each would otherwise start with 26 M objects."""
+
+    __slots__ = ("made", "recycled", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.made: list[Block] = []  # every block made so far, by id
+        self.recycled: deque[Block] = deque()  # made, then freed
+
+    def __len__(self) -> int:
+        return self.size - len(self.made) + len(self.recycled)
+
+    def take(self) -> Block:
+        """The next empty block: blocks never used first, in id order, then freed ones."""
+        if len(self.made) < self.size:
+            block = Block(len(self.made))
+            self.made.append(block)
+            return block
+        return self.recycled.popleft()
+
+    def append(self, block: Block) -> None:
+        self.recycled.append(block)
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Counters since the last reset. Queries count prompt tokens and full prompt blocks."""
@@ -130,8 +157,8 @@ class PrefixCache:
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
-        self._blocks = [Block(i) for i in range(self.num_blocks)]
-        self._free: deque[Block] = deque(self._blocks)
+        self._free = _FreeBlocks(self.num_blocks)
+        self._blocks = self._free.made
         self._cached: dict[int, Block] = {}
         self._candidates: list[tuple[int, Block]] = []  # (last_used, block), lazily pruned
         self._num_idle = 0
@@ -213,7 +240,7 @@ class PrefixCache:
             )
         if len(self._free) < num_blocks:
             self._evict(num_blocks - len(self._free))
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        blocks = [self._free.take() for _ in range(num_blocks)]
         for block in blocks:
             block.ref_count = 1
         return blocks
@@ -368,8 +395,8 @@ class PrefixCache:
 
     def check_invariants(self) -> None:
         """Full O(n) consistency check, for tests and debugging; raises AssertionError."""
-        free_ids = {b.block_id for b in self._free}
-        assert len(free_ids) == len(self._free), "a block is on the free list twice"
+        free_ids = {b.block_id for b in self._free.recycled}
+        assert len(free_ids) == len(self._free.recycled), "a block is on the free list twice"
         assert len(self._free) + self.num_used_blocks == self.num_blocks
         for block in self._blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has a negative refcount"

@@ -186,18 +186,26 @@ class Scheduler:
         seq.block_table += self.cache.allocate(missing)
         return True
 
+    def can_grow_all(self, num_steps: int) -> bool:
+        """Whether :meth:`grow_all` would succeed."""
+        return self.cache.can_allocate(sum(m for m in self._missing(num_steps) if m > 0))
+
     def grow_all(self, num_steps: int) -> bool:
         """Give every running request blocks for ``num_steps`` more decode tokens, or none."""
-        missing = [
-            self._blocks_for(seq.num_computed_tokens + num_steps) - len(seq.block_table)
-            for seq in self.running
-        ]
+        missing = self._missing(num_steps)
         if not self.cache.can_allocate(sum(m for m in missing if m > 0)):
             return False
         for seq, count in zip(self.running, missing, strict=True):
             if count > 0:
                 seq.block_table += self.cache.allocate(count)
         return True
+
+    def _missing(self, num_steps: int) -> list[int]:
+        """Blocks each running request lacks for ``num_steps`` more decode tokens."""
+        return [
+            self._blocks_for(seq.num_computed_tokens + num_steps) - len(seq.block_table)
+            for seq in self.running
+        ]
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)

@@ -171,10 +171,18 @@ def test_cache_aware_beats_round_robin_on_the_mooncake_trace():
     assert ours["failures"] == rr["failures"] == 0
 
 
-def test_decode_bursts_change_no_figure():
-    workload = chat_workload(replace(FLEET, num_sessions=60))
-    single = replay_row(replay(workload, fleet(replicas=2, max_burst_steps=1), "cache_aware"))
-    burst = replay_row(replay(workload, fleet(replicas=2, max_burst_steps=64), "cache_aware"))
+@pytest.mark.parametrize(("replicas", "arrival"), [(2, "poisson"), (8, "poisson"), (8, "closed")])
+def test_decode_bursts_change_no_figure(replicas, arrival):
+    """A burst is cut when a request joins its engine mid-way (more often the larger the
+    fleet, and at once when a closed-loop user sends the next turn): every figure is
+    the one single steps give."""
+    workload = chat_workload(replace(FLEET, num_sessions=60, arrival=arrival, num_users=12))
+    single = replay_row(
+        replay(workload, fleet(replicas=replicas, max_burst_steps=1), "cache_aware")
+    )
+    burst = replay_row(
+        replay(workload, fleet(replicas=replicas, max_burst_steps=64), "cache_aware")
+    )
     for key in ("token_hit_rate", "requests_per_replica", "evictions", "prediction_accuracy"):
         assert single[key] == burst[key], key
     for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "duration_s"):
@@ -226,6 +234,34 @@ def test_several_routers_share_the_traffic_and_the_events_keep_precise_mode_whol
         rows["cache_aware"]["prediction_accuracy"]
         > rows["cache_aware_approx"]["prediction_accuracy"]
     )
+
+
+def test_trace_copies_share_nothing_across_tenants():
+    """Each copy of a trace is a tenant of its own: the engines key its blocks apart,
+    so two copies reuse exactly twice what one copy reuses, never each other's."""
+    one = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 30})
+    two = load_workload(f"trace:{MOONCAKE_TRACE}", {"limit": 30, "copies": 2})
+    config = fleet(replicas=2, capacity_blocks=26_000)
+    bound_one = infinite_cache_bound(one, replay(one, config, "cache_aware"))
+    result = replay(two, config, "cache_aware")
+    bound_two = infinite_cache_bound(two, result)
+    assert bound_two.cached_tokens == 2 * bound_one.cached_tokens > 0
+    engines_hit = sum(e.cache_stats.hit_tokens for e in result.engines)
+    assert engines_hit <= bound_two.cached_tokens  # no hit across tenants
+
+
+def test_the_command_line_scales_the_load_with_the_fleet(tmp_path):
+    command = [
+        sys.executable, "-m", "deploy.cli", "replay", "--workload", f"trace:{MOONCAKE_TRACE}",
+        "--limit", "10", "--replicas-per-copy", "2", "--sweep", "replicas=2,4",
+        "--policies", "cache_aware", "--json", str(tmp_path / "rows.json"), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = {r["label"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert rows["cache_aware @ replicas=2"]["requests"] == 10
+    assert rows["cache_aware @ replicas=4"]["requests"] == 20  # two copies of the trace
+    assert rows["single_engine_4x @ replicas=4"]["requests"] == 20
 
 
 def test_router_options_are_checked():

@@ -93,11 +93,34 @@ def test_the_mooncake_trace_keeps_lengths_outputs_and_timestamps():
     assert len(heads) == 1  # every request starts with hash id 0
 
 
+def test_trace_copies_are_tenants_of_their_own_shifted_in_time():
+    one = load_workload(f"trace:{TRACE}", {"limit": 20})
+    three = load_workload(f"trace:{TRACE}", {"limit": 20, "copies": 3, "copy_shift_s": 30.0})
+    assert three.num_requests == 3 * one.num_requests and three.name.endswith(" x3")
+    by_tenant: dict[str | None, list] = {}
+    for session in three.sessions:
+        by_tenant.setdefault(session.cache_salt, []).append(session)
+    assert set(by_tenant) == {None, "copy-1", "copy-2"}
+    for copy, shift in ((None, 0.0), ("copy-1", 10.0), ("copy-2", 20.0)):
+        sessions = by_tenant[copy]
+        for original, copied in zip(one.sessions, sessions, strict=True):
+            assert copied.start_time_s == pytest.approx(original.start_time_s + shift)
+            assert copied.turns[0].timestamp_s == pytest.approx(copied.start_time_s)
+            assert np.array_equal(
+                copied.turns[0].prompt_token_ids, original.turns[0].prompt_token_ids
+            )  # the same tokens: only the tenant's salt keeps their blocks apart
+    assert len({s.session_id for s in three.sessions}) == len(three.sessions)
+
+
 def test_bad_workload_specs_are_explained():
     with pytest.raises(ValueError, match="unknown workload"):
         load_workload("poem")
     with pytest.raises(ValueError, match="not found"):
         load_workload("trace:/nonexistent.jsonl")
+    with pytest.raises(ValueError, match="unknown trace parameters"):
+        load_workload(f"trace:{TRACE}", {"copys": 2})
+    with pytest.raises(ValueError, match="copies must be positive"):
+        load_workload(f"trace:{TRACE}", {"copies": 0})
     with pytest.raises(ValueError, match="unknown chat parameters"):
         load_workload("chat", {"num_session": 3})
     with pytest.raises(ValueError, match="arrival"):
