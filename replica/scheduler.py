@@ -63,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        #: The head of the queue that did not fit, and the state it did not fit in.
+        self._stalled: tuple[Sequence, int, tuple[int, int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,6 +104,12 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            state = (
+                self.cache.last_event_seq,
+                self.cache.num_free_blocks + self.cache.num_idle_blocks,
+            )
+            if self._stalled == (seq, budget, state):
+                break  # nothing it needs has changed since it did not fit: it still does not
             token_bytes = bytes(seq.token_bytes)
             hits = self._match(seq, token_bytes)
             loaded = self._host_run(seq, token_bytes, len(hits))
@@ -110,6 +118,7 @@ class Scheduler:
             num_new_blocks = self._blocks_for(num_computed + num_tokens) - len(hits)
             idle_hits = sum(block.ref_count == 0 for block in hits)  # hits stop being reclaimable
             if not self.cache.can_allocate(num_new_blocks + idle_hits):
+                self._stalled = (seq, budget, state)
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             stop = len(hits) + loaded
