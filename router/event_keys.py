@@ -70,20 +70,26 @@ class EventKeys:
                 self.unkeyed += len(event.block_hashes)
                 return []
             chain = parent
-        key, pending, depth, keys = chain.key, chain.pending, chain.depth, []
-        tier, chains = TIER_BITS[event.medium], self._chains
+        key, carried, depth, keys = chain.key, chain.pending, chain.depth, []
+        tier, chains, stride, start = TIER_BITS[event.medium], self._chains, self.stride, 0
         for index, block_hash in enumerate(event.block_hashes):
-            pending += tokens[index * step : (index + 1) * step]
+            # tokens[start:end] are this event's tokens since the last boundary; before
+            # the event's first boundary, ``carried`` (the parent's pending) leads them.
+            end = (index + 1) * step
             depth += 1
-            boundary = depth % self.stride == 0
+            boundary = depth % stride == 0
+            pending = carried + tokens[start:end] if carried else tokens[start:end]
             if boundary:
                 key = xxhash.xxh3_64_intdigest(pending, seed=key)
-                pending = b""
                 keys.append(key)
+                carried, start, pending = b"", end, b""
             held = chains.get(block_hash)
-            chains[block_hash] = _Chain(
-                key, pending, depth, boundary, tier | (held.tiers if held else 0)
-            )
+            if held is not None and held.key == key and held.depth == depth:
+                held.tiers |= tier  # the same block, now in another tier as well
+            else:
+                chains[block_hash] = _Chain(
+                    key, pending, depth, boundary, tier | (held.tiers if held else 0)
+                )
         return keys
 
     def removed(self, event: KVEvent) -> list[int]:
