@@ -17,8 +17,16 @@ from router import load
 from router.admission import AdmissionQueue
 from router.backends import Backend, BackendPool
 from router.config import GatewayConfig
+from router.latency import LatencyHistogram, quantile
 from router.policies import Policy, ReplicaState, RoutingRequest
-from router.stats import BackendStats, GatewayStats, KVStreamStats, PolicyCounts, TenantStats
+from router.stats import (
+    BackendStats,
+    GatewayStats,
+    KVStreamStats,
+    PolicyCounts,
+    PolicyStats,
+    TenantStats,
+)
 
 
 @dataclass
@@ -47,6 +55,10 @@ class Accounting:
         self.upstream_errors: Counter[str] = Counter()
         self.tenants: defaultdict[str, RequestCounts] = defaultdict(RequestCounts)
         self.totals = RequestCounts()  # every request, with a tenant or not
+        #: Per policy (it can be switched while the gateway runs): requests and cached
+        #: tokens, and the time from dispatch to the first token.
+        self.policies: defaultdict[str, RequestCounts] = defaultdict(RequestCounts)
+        self.ttft: defaultdict[str, LatencyHistogram] = defaultdict(LatencyHistogram)
         self.retries = 0
         #: Requests whose prompt the gateway could not read (routed by load alone).
         self.unread_prompts = 0
@@ -55,7 +67,9 @@ class Accounting:
         load.dispatched(policy, request, replica, self._wall_clock())
         self.by_backend[replica.replica_id][policy.name].requests += 1
 
-    def first_token(self, request: RoutingRequest, replica: ReplicaState) -> None:
+    def first_token(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
+        if request.prefilling:  # the first time only: later calls are no-ops
+            self.ttft[policy.name].observe(self._wall_clock() - request.dispatched_at)
         load.prefilled(request, replica)
 
     def ended(
@@ -71,6 +85,7 @@ class Accounting:
         if failed:
             self.upstream_errors[replica.replica_id] += 1
         self._count(self.totals, request.num_prompt_tokens, cached, failed)
+        self._count(self.policies[policy.name], request.num_prompt_tokens, cached, failed)
         if request.tenant is not None:
             self._count(self.tenants[request.tenant], request.num_prompt_tokens, cached, failed)
         if cached is not None and request.predicted_cached_tokens is not None:
@@ -103,7 +118,17 @@ class Accounting:
             tenants={name: counts.stats() for name, counts in self.tenants.items()},
             totals=self.totals.stats(),
             pid=os.getpid(),
+            policies={name: self._policy_stats(name) for name in self.policies},
         )
+
+    def _policy_stats(self, name: str) -> PolicyStats:
+        counts = self.policies[name].stats()
+        ttft = self.ttft.get(name)
+        p50, p90 = (quantile(ttft.bounds, ttft.counts, q) if ttft else None for q in (0.5, 0.9))
+        return PolicyStats(
+            counts.requests, counts.errors, counts.prompt_tokens, counts.cached_tokens,
+            counts.token_hit_rate, ttft.count if ttft else 0, p50, p90,
+        )  # fmt: skip
 
     def _backend_stats(self, backend: Backend) -> BackendStats:
         state = backend.state

@@ -11,6 +11,7 @@ watchers and Ray discovery.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +21,8 @@ import aiohttp
 import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -29,6 +31,9 @@ from replica.api import stats as stats_codec
 from replica.api.stats import KVEventsEndpoint
 from router.backends import follow_ray_replicas, parse_backend
 from router.config import GatewayConfig
+from router.dashboard import STATIC
+from router.dashboard.history import History
+from router.dashboard.view import build, replica_figures
 from router.gateway import Gateway
 from router.http_client import Client, Timeouts
 from router.intake import Envelope, check_length, read_envelope, routing_prompt
@@ -84,10 +89,12 @@ def create_app(
 
     app = GatewayApp(title="prefix-router gateway", lifespan=lifespan)
     app.state.config, app.state.keys = config, keys
+    app.state.history = History(config.dashboard)
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.add_exception_handler(Unauthorized, _unauthorized)  # type: ignore[arg-type]
     app.add_exception_handler(api.Rejected, _rejected)  # type: ignore[arg-type]
     app.include_router(routes)
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
     return app
 
 
@@ -289,3 +296,25 @@ async def remove_backend(url: str, request: Request) -> Response:
     if not await _gateway(request).pool.remove(url):
         return JSONResponse(api.error_body(f"no backend {url!r}", 404, "url"), status_code=404)
     return JSONResponse({"removed": url})
+
+
+# ----------------------------------------------------------------- the dashboard
+
+
+@routes.get("/dashboard", include_in_schema=False)
+async def dashboard() -> Response:
+    """The page itself holds no figures, so it needs no key; its data does."""
+    return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
+
+
+@routes.get("/dashboard/data")
+async def dashboard_data(request: Request, since: float = 0.0, text: bool = False) -> Response:
+    """The figures of one refresh (an administrator's, when keys are configured): chart
+    points after ``since`` (a previous answer's ``ts``), and, with ``text``, the first
+    tokens of each hot prefix decoded (no prompt text otherwise)."""
+    _admin_only(request)
+    gateway, config = _gateway(request), request.app.state.config.dashboard
+    replicas = await replica_figures(gateway, config.dashboard_replica_timeout_s)
+    view = build(gateway, request.app.state.history, replicas, time.time(), since, text,
+                 config.hot_prefixes_shown)  # fmt: skip
+    return JSONResponse(dataclasses.asdict(view), headers={"cache-control": "no-store"})

@@ -10,6 +10,36 @@ from router.policies import POLICIES, PolicyConfig
 
 
 @dataclass(frozen=True)
+class DashboardConfig:
+    """The live page at ``/dashboard`` and what the gateway keeps for it."""
+
+    #: The page's history: a sample of the counters at most this often, while someone
+    #: looks, kept this long (so a reload shows the last minutes again).
+    dashboard_sample_s: float = 1.0
+    dashboard_history_s: float = 600.0
+    #: Per-replica rates (hit rate, decisions per second) are over this window.
+    dashboard_window_s: float = 60.0
+    #: How long a refresh waits for a replica's ``/stats`` (its cache occupancy).
+    dashboard_replica_timeout_s: float = 1.0
+    #: Hot prefixes shown, and kept (counted on the request path; see router/hot_prefixes.py).
+    hot_prefixes_shown: int = 10
+    hot_prefixes_kept: int = 1024
+    hot_prefix_half_life: int = 4096
+    #: Token ids kept of each prefix's first prompt, decoded only for an administrator.
+    hot_prefix_sample_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        times = (self.dashboard_sample_s, self.dashboard_history_s, self.dashboard_window_s,
+                 self.dashboard_replica_timeout_s)  # fmt: skip
+        if min(times) <= 0:
+            raise ValueError("dashboard_*_s must be positive")
+        counts = (self.hot_prefixes_shown, self.hot_prefixes_kept, self.hot_prefix_half_life)
+        if min(counts) < 1 or self.hot_prefix_sample_tokens < 0:
+            raise ValueError("hot_prefixes_shown, hot_prefixes_kept and hot_prefix_half_life "
+                             "must be positive, hot_prefix_sample_tokens not negative")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     policy: str = "cache_aware"
     #: The model name the replicas serve (it seeds block identities).
@@ -45,6 +75,7 @@ class GatewayConfig:
     #: Tries on other replicas when one fails before the client got a byte.
     max_retries: int = 2
     retry_backoff_s: float = 0.05
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

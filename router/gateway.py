@@ -21,6 +21,7 @@ from router.accounting import Accounting
 from router.admission import AdmissionQueue
 from router.backends import BackendPool
 from router.config import GatewayConfig
+from router.hot_prefixes import HotPrefixes
 from router.metrics import GatewayMetrics
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
 from router.stats import GatewayStats
@@ -43,6 +44,10 @@ class Gateway:
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self.accounting = Accounting(tolerance_tokens=config.routing.stride_tokens)
         self.metrics = GatewayMetrics(self.accounting, self.pool, self.admission)
+        board = config.dashboard
+        self.hot_prefixes = HotPrefixes(
+            board.hot_prefixes_kept, board.hot_prefix_half_life, board.hot_prefix_sample_tokens
+        )
 
     def _make_policy(self, name: str) -> Policy:
         return make_policy(name, time.monotonic, self.rng, self.config.routing)
@@ -60,6 +65,7 @@ class Gateway:
         """Hash the prompt as a replica will: seeded by model and (tenant) salt."""
         seed = identity_seed(self.config.model, cache_salt)  # one short hash, no cache to grow
         hashes = prefix_keys(prompt, self.config.routing.stride_tokens, seed)
+        self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
         return RoutingRequest(api.new_id("route"), len(prompt), hashes, tenant=tenant)
 
     async def admit(self) -> list[ReplicaState]:

@@ -3,10 +3,16 @@ from the accounting, the backends and the queue at scrape time."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from router.accounting import Accounting, RequestCounts
 from router.admission import AdmissionQueue
@@ -54,6 +60,7 @@ class GatewayMetrics:
         yield from self._by_policy()
         yield from self._by_replica()
         yield from self._by_tenant()
+        yield from self._by_policy_totals()
         admission = self._admission
         yield GaugeMetricFamily(
             "prefix_router_queued_requests", "Requests waiting for a free replica.", len(admission)
@@ -93,6 +100,27 @@ class GatewayMetrics:
             failed.add_metric([name], errors[name])
         yield outstanding
         yield failed
+
+    def _by_policy_totals(self) -> Iterable[Metric]:
+        """Every request per policy, and its time to first token seen from the gateway."""
+        policies = self._accounting.policies
+        for key, text, read in BY_TENANT:
+            family = CounterMetricFamily(
+                f"prefix_router_policy_{key}", text.replace("tenant", "policy"), labels=["policy"]
+            )
+            for policy, counts in policies.items():
+                family.add_metric([policy], read(counts))
+            yield family
+        ttft = HistogramMetricFamily(
+            "prefix_router_time_to_first_token_seconds",
+            "Time from dispatch to the first token, per policy.",
+            labels=["policy"],
+        )
+        for policy, histogram in self._accounting.ttft.items():
+            cumulative = list(itertools.accumulate(histogram.counts))
+            bounds = [*map(str, histogram.bounds), "+Inf"]
+            ttft.add_metric([policy], list(zip(bounds, cumulative, strict=True)), histogram.sum_s)
+        yield ttft
 
     def _by_tenant(self) -> Iterable[Metric]:
         tenants = self._accounting.tenants

@@ -80,6 +80,21 @@ class TenantStats:
 
 
 @dataclass(frozen=True)
+class PolicyStats:
+    """Every request routed under one policy: its answers, cached tokens and the time
+    from dispatch to the first token (p50, p90; ``None`` before the first)."""
+
+    requests: int
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    token_hit_rate: float | None
+    ttft_count: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p90_s: float | None = None
+
+
+@dataclass(frozen=True)
 class GatewayStats:
     policy: str
     #: Tries repeated on another replica, requests refused (429) and waiting now.
@@ -95,6 +110,8 @@ class GatewayStats:
     totals: TenantStats = field(default_factory=lambda: TenantStats(0, 0, 0, 0, None))
     #: Its process: gateways sharing a port are told apart by it.
     pid: int = 0
+    #: Per policy that has routed since the gateway started.
+    policies: dict[str, PolicyStats] = field(default_factory=dict)
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

@@ -167,7 +167,7 @@ class Upstream:
         """A whole answer. Our replicas send its headers once the first token exists
         (other servers, at the end): from then on its prefill no longer loads the replica."""
         if response.status == 200:
-            self.gateway.accounting.first_token(routing, backend.state)
+            self.gateway.accounting.first_token(routing, backend.state, policy)
         try:
             content = await response.read()
         except FAILURES as error:
@@ -203,7 +203,7 @@ class Upstream:
             line: str | None = first
             while line is not None:
                 if routing.prefilling and _carries_token(line):
-                    self.gateway.accounting.first_token(routing, backend.state)
+                    self.gateway.accounting.first_token(routing, backend.state, policy)
                 if line.startswith("data: {") and '"usage"' in line:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage") and not chunk.get("choices"):

@@ -37,7 +37,8 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
     failed = RoutingRequest("3", 400, [3], tenant="globex")
     for request, replica, pol in ((close, a, ours), (far, a, ours), (failed, b, baseline)):
         accounting.dispatched(request, replica, pol)
-    accounting.first_token(close, a)
+    accounting.first_token(close, a, ours)
+    accounting.first_token(close, a, ours)  # once only
     accounting.ended(close, a, ours, cached=544, failed=False)
     accounting.ended(far, a, ours, cached=768, failed=False)
     accounting.ended(failed, b, baseline, cached=None, failed=True)
@@ -59,3 +60,9 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
     )
     assert 'prefix_router_upstream_errors_total{replica="b"} 1.0' in text
     assert 'prefix_router_tenant_cached_tokens_total{tenant="acme"} 1312.0' in text
+    assert stats.policies["cache_aware"].token_hit_rate == (544 + 768) / 2000
+    assert stats.policies["cache_aware"].ttft_count == 1
+    assert stats.policies["round_robin"].errors == 1
+    assert stats.policies["round_robin"].ttft_p50_s is None
+    assert 'prefix_router_policy_cached_tokens_total{policy="cache_aware"} 1312.0' in text
+    assert 'prefix_router_time_to_first_token_seconds_count{policy="cache_aware"} 1.0' in text

@@ -1,0 +1,265 @@
+"""One refresh of the dashboard: the figures it shows, computed on request.
+
+Everything is read from state the gateway keeps anyway (its accounting, its load
+counts, its policy's prefix index, the hot prefixes it counts) plus each replica's
+``/stats`` fetched now, concurrently, for what only the replica knows: its cache's
+occupancy in both tiers and its own token hit rate. A refresh costs the gateway in
+proportion to its replicas and the hot prefixes shown, never to its traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from replica.api import stats as stats_codec
+from replica.api.stats import ReplicaStats
+from router.backends import Backend
+from router.dashboard.history import (
+    History,
+    Point,
+    PolicySample,
+    ReplicaRates,
+    ReplicaSample,
+    Sample,
+    replica_rates,
+)
+from router.gateway import Gateway
+from router.hot_prefixes import HotPrefix
+from router.latency import TTFT_BUCKETS
+from router.policies.indexed import IndexedPolicy
+from router.prefix_index import PrefixIndex
+from router.stats import BackendStats, GatewayStats, PolicyCounts
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    replica_id: str
+    url: str
+    healthy: bool
+    #: Routing decisions that chose it since the gateway started, and their rate.
+    dispatched: int
+    outstanding_requests: int
+    #: Prompt tokens this gateway sent there that are not prefilled yet.
+    outstanding_prefill_tokens: int
+    #: What the policy balances on (the replica's report plus what was sent since).
+    load_requests: int
+    load_prefill_tokens: int
+    rates: ReplicaRates
+    #: Its cache, as it reports (``None``: not one of ours, or it did not answer).
+    gpu_blocks: int | None
+    gpu_cached_blocks: int | None
+    host_blocks: int | None
+    host_cached_blocks: int | None
+    #: Its own token hit rate since its last reset, both tiers.
+    token_hit_rate: float | None
+    #: Router keys the policy's index holds for it (``None``: no index).
+    index_keys: int | None
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    requests: int
+    errors: int
+    token_hit_rate: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    #: Predictions within one stride of the cached tokens the replica reported.
+    predictions: int
+    close_predictions: int
+    prediction_accuracy: float | None
+
+
+@dataclass(frozen=True)
+class Holder:
+    replica_id: str
+    #: Leading tokens of the latest prompt through the prefix held, on GPU and on host only.
+    gpu_tokens: int
+    host_tokens: int
+
+
+@dataclass(frozen=True)
+class HotPrefixView:
+    #: The leading identity: 64 bits of xxh3, salted per tenant, in hex.
+    hash: str
+    requests: int
+    #: Full strides of the latest prompt through it.
+    prompt_tokens: int
+    #: ``None``: the policy keeps no prefix index, so who holds it is unknown.
+    holders: list[Holder] | None
+    #: Its first prompt's first tokens, decoded; only when an administrator asks.
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class DashboardView:
+    ts: float
+    policy: str
+    backends: int
+    requests: int
+    token_hit_rate: float | None
+    queued: int
+    refused: int
+    retries: int
+    replicas: list[ReplicaView]
+    policies: dict[str, PolicyView]
+    hot_prefixes: list[HotPrefixView]
+    #: Per policy, the chart points after the ``since`` the page asked for.
+    series: dict[str, list[Point]] = field(default_factory=dict)
+    text_shown: bool = False
+
+
+async def replica_figures(gateway: Gateway, timeout_s: float) -> dict[str, ReplicaStats | None]:
+    """Each backend's ``/stats`` now, concurrently; ``None`` where it did not answer."""
+    backends = gateway.pool.backends
+    found = await asyncio.gather(*(_replica_stats(gateway, b, timeout_s) for b in backends))
+    return {b.state.replica_id: stats for b, stats in zip(backends, found, strict=True)}
+
+
+async def _replica_stats(
+    gateway: Gateway, backend: Backend, timeout_s: float
+) -> ReplicaStats | None:
+    try:
+        async with gateway.pool.client.get(
+            f"{backend.url}/stats", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            if response.status != 200:
+                return None  # not one of ours (vLLM, SGLang have no /stats)
+            return stats_codec.decode(ReplicaStats, await response.read())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+def take_sample(
+    stats: GatewayStats, gateway: Gateway, replicas: Mapping[str, ReplicaStats | None], ts: float
+) -> Sample:
+    """The counters that rates and charts are differences of."""
+    predicted = _predictions(stats)
+    policies = {}
+    for name, counts in gateway.accounting.policies.items():
+        guesses = predicted.get(name, PolicyCounts())  # zeros once its backends are gone
+        policies[name] = PolicySample(
+            counts.requests, counts.prompt_tokens, counts.cached_tokens,
+            guesses.predictions, guesses.close_predictions, _ttft(gateway, name),
+        )  # fmt: skip
+    replica_samples = {}
+    for backend in stats.backends:
+        own = replicas.get(backend.replica_id)
+        query, hit = (own.cache.query_tokens, own.cache.hit_tokens) if own else (None, None)
+        replica_samples[backend.replica_id] = ReplicaSample(backend.dispatched, query, hit)
+    return Sample(ts, policies, replica_samples)
+
+
+def _ttft(gateway: Gateway, policy: str) -> tuple[int, ...]:
+    histogram = gateway.accounting.ttft.get(policy)
+    return histogram.snapshot() if histogram else (0,) * (len(TTFT_BUCKETS) + 1)
+
+
+def build(
+    gateway: Gateway,
+    history: History,
+    replicas: Mapping[str, ReplicaStats | None],
+    ts: float,
+    since: float,
+    show_text: bool,
+    hot_shown: int,
+) -> DashboardView:
+    """The figures of one refresh (and a history sample, if one is due)."""
+    stats = gateway.stats()
+    now = take_sample(stats, gateway, replicas, ts)
+    start = history.window_start(now)
+    history.add(now)
+    seconds = now.ts - start.ts if start else 0.0
+    return DashboardView(
+        ts=ts,
+        policy=stats.policy,
+        backends=len(stats.backends),
+        requests=stats.totals.requests,
+        token_hit_rate=stats.totals.token_hit_rate,
+        queued=stats.queued,
+        refused=stats.refused,
+        retries=stats.retries,
+        replicas=[
+            _replica_view(gateway, b, replicas.get(b.replica_id), now, start, seconds)
+            for b in stats.backends
+        ],
+        policies=_policy_views(stats),
+        hot_prefixes=_hot_prefixes(gateway, hot_shown, show_text),
+        series=history.points(since),
+        text_shown=show_text,
+    )
+
+
+def _replica_view(
+    gateway: Gateway,
+    backend: BackendStats,
+    own: ReplicaStats | None,
+    now: Sample,
+    start: Sample | None,
+    seconds: float,
+) -> ReplicaView:
+    name = backend.replica_id
+    rates = replica_rates(now.replicas[name], start.replicas.get(name) if start else None, seconds)
+    cache = own.cache if own else None
+    index = gateway.policy.index if isinstance(gateway.policy, IndexedPolicy) else None
+    return ReplicaView(
+        name, backend.url, backend.healthy, backend.dispatched,
+        backend.outstanding_requests, backend.outstanding_prefill_tokens,
+        backend.load_requests, backend.load_prefill_tokens, rates,
+        cache.num_blocks if cache else None, cache.cached_blocks if cache else None,
+        cache.host_num_blocks if cache else None, cache.host_cached_blocks if cache else None,
+        cache.token_hit_rate if cache else None,
+        index.num_entries(name) if index else None,
+    )  # fmt: skip
+
+
+def _predictions(stats: GatewayStats) -> dict[str, PolicyCounts]:
+    """Each policy's counts summed over the backends."""
+    totals: dict[str, PolicyCounts] = {}
+    for backend in stats.backends:
+        for name, counts in backend.by_policy.items():
+            total = totals.setdefault(name, PolicyCounts())
+            total.requests += counts.requests
+            total.predictions += counts.predictions
+            total.close_predictions += counts.close_predictions
+            total.predicted_cached_tokens += counts.predicted_cached_tokens
+            total.actual_cached_tokens += counts.actual_cached_tokens
+    return totals
+
+
+def _policy_views(stats: GatewayStats) -> dict[str, PolicyView]:
+    predicted = _predictions(stats)
+    views = {}
+    for name, policy in stats.policies.items():
+        counts = predicted.get(name, PolicyCounts())
+        accuracy = counts.close_predictions / counts.predictions if counts.predictions else None
+        views[name] = PolicyView(
+            policy.requests, policy.errors, policy.token_hit_rate, policy.ttft_p50_s,
+            policy.ttft_p90_s, counts.predictions, counts.close_predictions, accuracy,
+        )  # fmt: skip
+    return views
+
+
+def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPrefixView]:
+    policy = gateway.policy
+    index = policy.index if isinstance(policy, IndexedPolicy) else None
+    stride = gateway.config.routing.stride_tokens
+    views = []
+    for prefix in gateway.hot_prefixes.top(count):
+        text = gateway.tokenizer.decode(prefix.tokens) if show_text else None
+        holders = _holders(index, prefix) if index is not None else None
+        tokens = len(prefix.stride_hashes) * stride
+        name = f"{prefix.leading:016x}"
+        views.append(HotPrefixView(name, prefix.requests, tokens, holders, text))
+    return views
+
+
+def _holders(index: PrefixIndex, prefix: HotPrefix) -> list[Holder]:
+    """Who holds how much of the latest prompt through ``prefix``, most first."""
+    gpu = index.match(prefix.stride_hashes)
+    host = index.match_host(prefix.stride_hashes, gpu)
+    names = sorted({*gpu, *host}, key=lambda r: (-gpu.get(r, 0), -host.get(r, 0), r))
+    return [Holder(name, gpu.get(name, 0), host.get(name, 0)) for name in names]

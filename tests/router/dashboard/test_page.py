@@ -1,0 +1,177 @@
+"""The dashboard in a real browser (headless Chromium) in front of a small live fleet.
+
+The page must show what the gateway's ``/stats`` (and the replicas' own) say, ask
+for an admin key when keys are configured, keep prompt text hidden until asked, and
+say so when the gateway has no backends. Chromium comes from the system's packages
+(``.ci/run`` installs ``chromium`` and ``chromium-driver`` when they are missing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from deploy.processes import free_port, running, start, stop, wait_until
+from tests.shared import gateway_stats, replica_stats
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+#: This machine reaches only loopback: nothing in the background may try the network.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+]
+ADMIN, TENANT = "admin-key-for-tests", "tenant-key-for-tests"
+SYSTEMS = [f"Application {a} answers questions about product {a}. " * 12 for a in range(3)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
+    """A gateway with API keys in front of two replicas with a host tier."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{ADMIN} ops admin\n{TENANT} acme\n")
+    replica = ["replica", "--speedup", "20", "--num-blocks", "256", "--host-blocks", "1024"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas],
+                   "--api-keys-file", str(keys)]  # fmt: skip
+        with running(gateway) as (url,):
+            yield url, replicas
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    """Headless Chromium with a fresh profile, quit however the test ends."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not Path(path).exists()]
+    assert not missing, f"install Debian's chromium and chromium-driver (missing: {missing})"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def drive_traffic(url: str, requests: int = 36) -> None:
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {TENANT}"}) as client:
+        for i in range(requests):
+            body = {"prompt": SYSTEMS[i % 3] + f"Question {i}?", "max_tokens": 4}
+            client.post(f"{url}/v1/completions", json=body).raise_for_status()
+
+
+def status(driver: WebDriver) -> str:
+    return str(driver.find_element(By.ID, "status").text)
+
+
+def use_key(driver: WebDriver, key: str) -> None:
+    driver.find_element(By.ID, "key").send_keys(key)
+    driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+
+
+def refreshed_after(driver: WebDriver, moment: float, timeout_s: float = 30) -> None:
+    """Wait for a refresh whose figures the gateway computed after ``moment``."""
+
+    def done(d: WebDriver) -> bool:
+        shown = d.find_element(By.TAG_NAME, "body").get_attribute("data-refreshed")
+        return bool(shown) and float(shown) > moment
+
+    WebDriverWait(driver, timeout_s).until(done)
+
+
+def cell(driver: WebDriver, row: str, field: str) -> tuple[str, str]:
+    """A table cell's text and raw value."""
+    element = driver.find_element(By.CSS_SELECTOR, f'{row} [data-field="{field}"]')
+    return str(element.text), str(element.get_attribute("data-value"))
+
+
+def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, tmp_path):
+    url, replicas = fleet
+    browser.get(f"{url}/dashboard")
+    WebDriverWait(browser, 30).until(lambda d: "enter an admin key" in status(d))
+    use_key(browser, TENANT)
+    WebDriverWait(browser, 30).until(lambda d: "not an admin's" in status(d))
+    use_key(browser, ADMIN)
+    refreshed_after(browser, 0.0)
+
+    drive_traffic(url)
+    ended = time.time()
+    refreshed_after(browser, ended + 1.0)  # a second sample after the traffic: chart points
+    stats = gateway_stats(url)
+    assert stats.totals.requests == 36
+    assert browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="requests"]').text == "36"
+    hit_rate = browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="token_hit_rate"]')
+    assert stats.totals.token_hit_rate and stats.totals.token_hit_rate > 0.5
+    assert hit_rate.text == f"{100 * stats.totals.token_hit_rate:.1f}%"
+    assert not browser.find_element(By.ID, "no-backends").is_displayed()
+
+    for backend, replica_url in zip(stats.backends, replicas, strict=True):
+        row = f'#replicas tr[data-replica="{backend.replica_id}"]'
+        assert cell(browser, row, "dispatched")[0] == str(backend.dispatched)
+        assert cell(browser, row, "outstanding_requests")[0] == "0"
+        assert cell(browser, row, "outstanding_prefill_tokens")[0] == "0"
+        own = replica_stats(replica_url).cache
+        assert cell(browser, row, "gpu_cached_blocks")[1] == str(own.cached_blocks)
+        assert cell(browser, row, "host_cached_blocks")[1] == str(own.host_cached_blocks)
+        # The window began at the page's first refresh, before any traffic.
+        window = cell(browser, row, "window_hit_rate")[1]
+        assert float(window) == pytest.approx(own.token_hit_rate)
+
+    policy = stats.policies["cache_aware"]
+    row = '#policies tr[data-policy="cache_aware"]'
+    assert cell(browser, row, "requests")[0] == "36"
+    assert cell(browser, row, "token_hit_rate")[0] == f"{100 * policy.token_hit_rate:.1f}%"
+    assert float(cell(browser, row, "ttft_p50_s")[1]) == pytest.approx(policy.ttft_p50_s)
+    counts = stats.by_policy("cache_aware")
+    accuracy = sum(c.close_predictions for c in counts) / sum(c.predictions for c in counts)
+    assert float(cell(browser, row, "prediction_accuracy")[1]) == pytest.approx(accuracy)
+    assert browser.find_elements(By.CSS_SELECTOR, "#chart-hit canvas")
+
+    hot = browser.find_elements(By.CSS_SELECTOR, "#hot tbody tr")
+    assert len(hot) == 3  # one per application's system prompt, 12 requests each
+    assert all(len(r.get_attribute("data-prefix")) == 16 for r in hot)
+    assert "Application 1" not in browser.page_source  # no prompt text unless asked
+    browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    browser.find_element(By.ID, "show-text").click()
+    WebDriverWait(browser, 30).until(lambda d: "Application 1 answers" in d.page_source)
+
+
+@pytest.fixture
+def lonely_gateway() -> Iterator[str]:
+    """A gateway with no backends (its /health answers 503, so ``running`` cannot wait)."""
+    port = free_port()
+    process = start(["gateway"], port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(url, process, ready=lambda response: response.status_code == 503)
+        yield url
+    finally:
+        stop(process)
+
+
+def test_the_page_says_when_the_gateway_has_no_backends(lonely_gateway, browser, tmp_path):
+    browser.get(f"{lonely_gateway}/dashboard")
+    banner = browser.find_element(By.ID, "no-backends")
+    WebDriverWait(browser, 30).until(lambda d: banner.is_displayed())
+    assert "no backends" in banner.text
+    browser.save_screenshot(str(tmp_path / "no-backends.png"))
