@@ -190,7 +190,6 @@ class Simulation:
         self._on_request_done = on_request_done or (lambda: None)
         self._idle_sessions = list(range(len(workload.sessions)))[::-1]
         self._shared_hashes = self._shared_prefix_hashes()
-        self._event_seqs = [0] * config.replicas
         #: Events and load reports on their way to the routers: time, order, engine, what.
         self._deliveries: list[tuple[float, int, int, object]] = []
 
@@ -378,11 +377,9 @@ class Simulation:
 
     def _forward_kv_events(self, index: int) -> None:
         """Hand an engine's new KV events to the policy; watch for shared-prefix evictions."""
-        cache = self.engines[index].cache
-        if cache.last_event_seq == self._event_seqs[index]:
+        events = self.engines[index].cache.events.drain()
+        if not events:
             return
-        events, _ = cache.events_since(self._event_seqs[index])
-        self._event_seqs[index] = cache.last_event_seq
         self._send(index, events)
         if not self._shared_hashes:
             return

@@ -39,6 +39,13 @@ class EventLog:
     def last_seq(self) -> int:
         return self._next_seq - 1
 
+    def drain(self) -> list[KVEvent]:
+        """Every event in the log, which keeps none: for a single reader that takes the
+        events as they happen (the offline replayer, whose thousand engines would
+        otherwise each hold up to ``max_events`` events and their tokens)."""
+        events, self._events = self._events, []
+        return events
+
     def since(self, seq: int) -> tuple[list[KVEvent], bool]:
         """Events numbered above ``seq``, and whether any of them were lost."""
         first = self._next_seq - len(self._events)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from replica.api.identity import block_hashes
 from replica.api.tokenizer import TOKEN_DTYPE
+from replica.event_log import EventLog
 from replica.prefix_cache import Block, NoFreeBlocksError, PrefixCache
 
 BLOCK = 4
@@ -268,3 +269,15 @@ def test_random_interleavings_keep_every_invariant_and_match_the_reference(capac
         for blocks, hashes in active:  # no pinned block was ever evicted
             assert [b.block_hash for b in blocks] == hashes
         assert set(model.nodes) == {b.block_hash for b in cache._cached.values()}
+
+
+def test_a_drained_event_log_keeps_nothing_and_numbers_on():
+    log = EventLog(max_events=10)
+    for _ in range(3):
+        log.append("removed", (1,))
+    assert [e.seq for e in log.drain()] == [1, 2, 3]
+    assert log.drain() == []
+    log.append("removed", (2,))
+    assert [e.seq for e in log.drain()] == [4]
+    events, lost = log.since(0)  # a reader that relied on the log is told it lost them
+    assert events == [] and lost
