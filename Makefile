@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench fleet clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,16 @@ bench: $(INSTALLED)
 	$(BIN)/python -m benchmarks.bench_engine_core
 	$(BIN)/python -m benchmarks.bench_router
 	$(BIN)/python -m benchmarks.bench_gateway
+
+# Replays at fleet scale: 64, 256 and 1,024 simulated replicas on the chat workload and
+# on the Mooncake trace, copied once per 8 replicas (reports/fleet-chat, fleet-trace).
+TRACE ?= ../shared/traces/mooncake_conversation.jsonl
+fleet: $(INSTALLED)
+	$(BIN)/prefix-router replay --sweep replicas=64,256,1024 --sessions-per-replica 25 \
+		--policies round_robin,cache_aware --host-blocks 0 --jobs 2 --out reports/fleet-chat
+	$(BIN)/prefix-router replay --workload trace:$(TRACE) --limit 1000 --replicas-per-copy 8 \
+		--sweep replicas=64,256,1024 --block-size 64 --stride 1 --host-blocks 0 \
+		--policies round_robin,cache_aware --jobs 2 --out reports/fleet-trace
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .mypy_cache .ruff_cache

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import sys
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -109,6 +112,12 @@ def add_replay_parser(commands: Any) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md sec. 7)")
     parser.add_argument("--out", metavar="DIR", help="write report.md, report.json and PNG charts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="replays run at once, one process each (default: 1; memory grows with it)",
+    )
     add_config_flags(parser, ReplayConfig)  # the routing knobs too: --stride, --recompute-weight
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
     parser.set_defaults(run=run_replay)
@@ -176,23 +185,24 @@ def run_replay(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     sweep_key, configs = _configs(args)
     load = _workload_loader(args)
+    for config in configs:  # built before any worker forks: the workers share them
+        _WORKLOADS[config.replicas] = load(config.replicas)
+    jobs = [job for config in configs for job in _jobs(config, policies, sweep_key, args)]
+    done = _run_all(jobs, args)
     rows: list[Row] = []
     ttfts: dict[str, list[float]] = {}
     for config in configs:
-        workload = load(config.replicas)
-        first: tuple[ReplayResult, Row] | None = None  # the bound follows its arrivals
-        for policy in policies:
-            label = f"{policy} @ {sweep_key}={getattr(config, sweep_key)}" if sweep_key else policy
-            result = _run(workload, config, policy, label, args)
-            rows.append(replay_row(result, label))
-            ttfts[label] = ttft_values(result)
-            # Its engines go: a fleet of a thousand holds gigabytes of cached blocks.
-            first = first or (dataclasses.replace(result, engines=[]), rows[-1])
-            del result
-        if not args.no_reference and first is not None:
-            rows += _reference_rows(workload, config, *first, sweep_key, args)
+        fleet = [(job, out) for job, out in zip(jobs, done, strict=True) if job.fleet is config]
+        for job, (row, values, _) in fleet:
+            if not job.reference:
+                rows.append(row)
+                ttfts[job.label] = values
+        if not args.no_reference:
+            rows += _reference_rows(config, fleet, sweep_key)
         _relate_to_bound(rows[-len(policies) - (0 if args.no_reference else 2) :])
     print(format_table(rows, TABLE_KEYS))
     meta = {"seed": configs[0].seed, "command": command_line(), "version": version()}
@@ -204,32 +214,114 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(
-    workload: Workload, config: ReplayConfig, policy: str, label: str, args: argparse.Namespace
-) -> ReplayResult:
-    with tqdm(
-        total=workload.num_requests,
-        desc=label,
-        unit="req",
-        disable=args.no_progress,
-        file=sys.stderr,
-        leave=False,
-    ) as bar:
-        return replay(workload, config, policy, bar.update)
+#: Workloads by fleet size, built by the parent before the workers fork.
+_WORKLOADS: dict[int, Workload] = {}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One replay: a policy on a fleet, or the pooled engine that is its reference."""
+
+    fleet: ReplayConfig  # the fleet it belongs to (the pooled engine's own has 1 replica)
+    config: ReplayConfig
+    policy: str
+    label: str
+    reference: bool = False
+    keep_records: bool = False  # the fleet's first run: the bound follows its arrivals
+
+    @property
+    def workload(self) -> Workload:
+        return _WORKLOADS[self.fleet.replicas]
+
+
+#: What a job gives back: its row, its TTFTs, and its records if it keeps them.
+_Done = tuple[Row, list[float], ReplayResult | None]
+
+
+def _jobs(
+    config: ReplayConfig, policies: list[str], sweep_key: str | None, args: argparse.Namespace
+) -> list[_Job]:
+    suffix = f" @ {sweep_key}={getattr(config, sweep_key)}" if sweep_key else ""
+    jobs = [
+        _Job(config, config, policy, policy + suffix, keep_records=index == 0)
+        for index, policy in enumerate(policies)
+    ]
+    if not args.no_reference and config.replicas > 1:
+        label = f"single_engine_{config.replicas}x" + suffix
+        jobs.append(_Job(config, config.pooled(), "round_robin", label, reference=True))
+    return jobs
+
+
+def _run_all(jobs: list[_Job], args: argparse.Namespace) -> list[_Done]:
+    """Every job, in order; with ``--jobs`` N > 1, N at a time in forked processes
+    (each replay is single-threaded and deterministic, so the rows are the same)."""
+    if args.jobs == 1 or len(jobs) == 1:
+        return [_run_with_bar(job, args) for job in jobs]
+    total = sum(job.workload.num_requests for job in jobs)
+    context = multiprocessing.get_context("fork")
+    counter = context.Value("q", 0)
+    with (
+        ProcessPoolExecutor(args.jobs, context, _share_counter, (counter,)) as pool,
+        tqdm(
+            total=total,
+            desc=f"{len(jobs)} replays",
+            unit="req",
+            disable=args.no_progress,
+            file=sys.stderr,
+            leave=False,
+        ) as bar,  # fmt: skip
+    ):
+        futures = [pool.submit(_run_counted, job) for job in jobs]
+        while not all(future.done() for future in futures):
+            wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
+            bar.update(counter.value - bar.n)
+        return [future.result() for future in futures]
+
+
+def _run_with_bar(job: _Job, args: argparse.Namespace) -> _Done:
+    with tqdm(total=job.workload.num_requests, desc=job.label, unit="req",
+              disable=args.no_progress, file=sys.stderr, leave=False) as bar:  # fmt: skip
+        return _run_job(job, bar.update)
+
+
+_COUNTER: Any = None  # a worker's share of the progress count
+
+
+def _share_counter(counter: Any) -> None:
+    global _COUNTER
+    _COUNTER = counter
+
+
+def _run_counted(job: _Job) -> _Done:
+    pending = [0]
+
+    def done() -> None:  # counted in hundreds: a lock per request would cost more
+        pending[0] += 1
+        if pending[0] == 100:
+            with _COUNTER.get_lock():
+                _COUNTER.value += pending[0]
+            pending[0] = 0
+
+    return _run_job(job, done)
+
+
+def _run_job(job: _Job, on_request_done: Callable[[], object]) -> _Done:
+    result = replay(job.workload, job.config, job.policy, on_request_done)
+    row = replay_row(result, job.label)
+    # Only the records travel back: a fleet of a thousand holds gigabytes of blocks.
+    kept = dataclasses.replace(result, engines=[]) if job.keep_records else None
+    return row, ttft_values(result), kept
 
 
 def _reference_rows(
-    workload: Workload,
-    config: ReplayConfig,
-    first: ReplayResult,
-    template: Row,
-    sweep_key: str | None,
-    args: argparse.Namespace,
+    config: ReplayConfig, fleet: list[tuple[_Job, _Done]], sweep_key: str | None
 ) -> list[Row]:
-    """The bounds for one fleet; ``first`` is a policy's run (its records), ``template``
-    its row."""
+    """The bounds for one fleet, from its runs: the infinite cache, over the first
+    run's arrivals, and the pooled engine's row."""
     suffix = f" @ {sweep_key}={getattr(config, sweep_key)}" if sweep_key else ""
-    bound = infinite_cache_bound(workload, first)
+    template, _, first = next(done for job, done in fleet if job.keep_records)
+    assert first is not None
+    bound = infinite_cache_bound(_WORKLOADS[config.replicas], first)
     rows = [
         reference_row(
             "infinite_cache" + suffix,
@@ -239,14 +331,14 @@ def _reference_rows(
             block_hit_rate=bound.hit_blocks / bound.query_blocks if bound.query_blocks else None,
         )
     ]
-    if config.replicas > 1:
-        label = f"single_engine_{config.replicas}x" + suffix
-        pooled = _run(workload, config.pooled(), "round_robin", label, args)
-        row = replay_row(pooled, label)
-        row.update(policy=None, replicas=config.replicas, capacity_blocks=config.capacity_blocks)
-        if sweep_key:  # drawn at the point it stands for (``routers``: one engine for any G)
-            row[sweep_key] = getattr(config, sweep_key)
-        rows.append(row)
+    for job, (row, _, _) in fleet:
+        if job.reference:
+            row.update(
+                policy=None, replicas=config.replicas, capacity_blocks=config.capacity_blocks
+            )
+            if sweep_key:  # drawn at the point it stands for (``routers``: one engine, any G)
+                row[sweep_key] = getattr(config, sweep_key)
+            rows.append(row)
     return rows
 
 

@@ -251,17 +251,27 @@ def test_trace_copies_share_nothing_across_tenants():
 
 
 def test_the_command_line_scales_the_load_with_the_fleet(tmp_path):
-    command = [
-        sys.executable, "-m", "deploy.cli", "replay", "--workload", f"trace:{MOONCAKE_TRACE}",
-        "--limit", "10", "--replicas-per-copy", "2", "--sweep", "replicas=2,4",
-        "--policies", "cache_aware", "--json", str(tmp_path / "rows.json"), "--no-progress",
+    """Replicas sweep over a trace copied once per 2 replicas, run one replay at a
+    time and two at once: the same rows."""
+    rows = {}
+    for jobs in ("1", "2"):
+        command = [
+            sys.executable, "-m", "deploy.cli", "replay", "--workload",
+            f"trace:{MOONCAKE_TRACE}", "--limit", "10", "--replicas-per-copy", "2",
+            "--sweep", "replicas=2,4", "--policies", "round_robin,cache_aware",
+            "--jobs", jobs, "--json", str(tmp_path / f"rows{jobs}.json"), "--no-progress",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        rows[jobs] = json.loads((tmp_path / f"rows{jobs}.json").read_text())["rows"]
+    assert rows["1"] == rows["2"]
+    by_label = {r["label"]: r for r in rows["2"]}
+    assert by_label["cache_aware @ replicas=2"]["requests"] == 10
+    assert by_label["cache_aware @ replicas=4"]["requests"] == 20  # two copies of the trace
+    assert by_label["single_engine_4x @ replicas=4"]["requests"] == 20
+    assert [r["label"].split(" @ ")[0] for r in rows["2"][:4]] == [
+        "round_robin", "cache_aware", "infinite_cache", "single_engine_2x",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    rows = {r["label"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert rows["cache_aware @ replicas=2"]["requests"] == 10
-    assert rows["cache_aware @ replicas=4"]["requests"] == 20  # two copies of the trace
-    assert rows["single_engine_4x @ replicas=4"]["requests"] == 20
 
 
 def test_router_options_are_checked():
