@@ -271,7 +271,10 @@ def _run_all(jobs: list[_Job], args: argparse.Namespace) -> list[_Done]:
             leave=False,
         ) as bar,  # fmt: skip
     ):
-        futures = [pool.submit(_run_counted, job) for job in jobs]
+        # The largest first, so the longest replays do not start last.
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].workload.num_requests)
+        submitted = {i: pool.submit(_run_counted, jobs[i]) for i in order}
+        futures = [submitted[i] for i in range(len(jobs))]
         while not all(future.done() for future in futures):
             wait(futures, timeout=0.5, return_when=FIRST_EXCEPTION)
             bar.update(counter.value - bar.n)
