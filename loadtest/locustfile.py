@@ -8,7 +8,9 @@ Each user takes the next session of the seeded workload (``--workload chat`` or
 in order, streaming every request. Besides each request's total time, Locust shows
 ``TTFT`` (time to the first token) and ``ITL`` (mean time between tokens) as their
 own entries. The usage block's prompt and cached tokens are summed, so a client-side
-hit rate can be compared with the replicas' own (``--results-file``). The chat
+hit rate can be compared with the replicas' own (``--results-file``), and that hit rate
+is in Locust's own figures as the run goes (``HIT%`` entries, a "Cache hits" tab: see
+``loadtest/locust_hits.py``), so in its ``--csv`` files and ``--html`` report. The chat
 workload takes ``prefix-router replay``'s ``--chat-*`` flags (or ``PR_CHAT_*``
 variables). Once every session has been played, the test ends.
 """
@@ -26,6 +28,7 @@ from locust import HttpUser, constant, events, task
 from locust.env import Environment
 
 from deploy.flags import add_config_flags, config_overrides
+from loadtest.locust_hits import CacheHits, install_web_ui
 from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
 from replica.api.identity import DEFAULT_MODEL
 
@@ -141,6 +144,7 @@ class Tally:
 
 SESSIONS: Sessions | None = None
 TALLY = Tally()
+HITS = CacheHits()  # the same usage blocks, in Locust's statistics and web UI
 TEST_START = [0.0]  # monotonic time the test started (open loop schedules from it)
 FRONTS: list[list[str]] = [[]]  # the gateways requests are spread over (--gateways)
 RNG = np.random.default_rng(0)  # which gateway: seeded, so runs repeat
@@ -149,6 +153,16 @@ RNG = np.random.default_rng(0)  # which gateway: seeded, so runs repeat
 @events.test_start.add_listener
 def mark_start(**_: Any) -> None:
     TEST_START[0] = time.monotonic()
+
+
+@events.init.add_listener
+def show_hits(environment: Environment, **_: Any) -> None:
+    install_web_ui(environment, HITS)
+
+
+@events.reset_stats.add_listener
+def reset_hits(**_: Any) -> None:
+    HITS.reset()  # the web UI's "Reset stats" button
 
 
 @events.init.add_listener
@@ -245,6 +259,7 @@ class ChatSessionUser(HttpUser):
                 if chunk.get("usage") and not chunk.get("choices"):
                     usage = _usage(chunk["usage"])
                     TALLY.add(*usage)
+                    HITS.add(self.environment, name, *usage)
                     continue
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
                 if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
