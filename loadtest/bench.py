@@ -11,8 +11,9 @@ stopped at the end), the gateways that ``prefix-router up`` put on a ``ray start
 cluster (``--address auto``), or any gateway or OpenAI-compatible server
 (``--gateway URL``). Given several gateways (``--gateways N`` embedded, or several
 URLs), each request goes to one of them at random, and every gateway is switched
-and counted. The label ``sglang_router`` among the policies is a row routed by SGLang's
-router (the real binary), started in front of the same replicas for that row only.
+and counted. The label ``sglang_router`` among the policies of our gateway is a row routed by
+SGLang's router (the real binary), started in front of the same replicas for that row
+only (against another target, it is only a label).
 """
 
 from __future__ import annotations
@@ -516,7 +517,7 @@ def compare(
         announce(fleet)
         rows, timelines = [], {}
         for label in config.policies:
-            if label == sglang.LABEL:
+            if label == sglang.LABEL and fleet.ours:  # else the target is theirs already
                 row, run = run_behind_sglang(client, config, fleet, workload, out)
             else:
                 row, run = run_policy(client, config, fleet, label, workload, out)
@@ -533,11 +534,6 @@ def check_target(config: BenchConfig, fleet: Fleet) -> None:
         raise ValueError(
             f"{', '.join(fleet.gateways)}: not a prefix-router gateway, so the bench cannot "
             "switch its policy: pass one --policies NAME, a label for how it routes"
-        )
-    if sglang.LABEL in config.policies and not fleet.ours:
-        raise ValueError(
-            f"{sglang.LABEL} runs SGLang's router in front of our gateway's replicas: "
-            "the target must be a prefix-router gateway"
         )
 
 
