@@ -26,26 +26,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import aiohttp
 import httpx
 import numpy as np
 import psutil
 
-from deploy.processes import free_port, running
+from deploy.processes import running
+from loadtest.sglang import sglang_router
 from replica.api.identity import DEFAULT_MODEL
 
 REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "4096", "--host-blocks", "0"]
-#: SGLang's router fetches a tokenizer for the model it finds; keep that on loopback,
-#: where nothing answers, so it routes by text (this machine has no other network).
-OFFLINE = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
 APPS = 8
 
 
@@ -166,33 +160,6 @@ def throughput(
         cpu = cpu_per_request.get(name)
         cost = f"   {statistics.median(cpu) * 1e6:4.0f} us CPU/request" if cpu else ""
         print(f"  {name:<16} {median:6,.0f}  ({runs})  {median / reference:.2f}x SGLang's{cost}")
-
-
-@contextmanager
-def sglang_router(replicas: list[str]) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-        "--port", str(port), "--worker-urls", *replicas, "--policy", "cache_aware",
-        "--log-level", "error", "--prometheus-port", str(free_port()),
-    ]  # fmt: skip
-    router = subprocess.Popen(command, env=OFFLINE, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.post(url + "/v1/completions", json=bodies(1)[0]).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if router.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("SGLang's router did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        router.terminate()
-        router.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,9 @@ stopped at the end), the gateways that ``prefix-router up`` put on a ``ray start
 cluster (``--address auto``), or any gateway or OpenAI-compatible server
 (``--gateway URL``). Given several gateways (``--gateways N`` embedded, or several
 URLs), each request goes to one of them at random, and every gateway is switched
-and counted.
+and counted. The label ``sglang_router`` among the policies of our gateway is a row routed by
+SGLang's router (the real binary), started in front of the same replicas for that row
+only (against another target, it is only a label).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from tqdm import tqdm
 
 from deploy import processes
 from deploy.flags import config_flags
+from loadtest import sglang
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import ROW_KEYS, Row, percentile, replay_row, tier_figures
+from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig, Workload, load_workload
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
@@ -160,6 +164,10 @@ class Fleet:
     def ours(self) -> bool:
         return self.stats is not None
 
+    def behind(self, router: str) -> Fleet:
+        """The same replicas, reached through another router (which we cannot switch)."""
+        return Fleet([router], None, self.replicas)
+
     def replay_config(self) -> ReplayConfig | None:
         """The simulated twin of the fleet, if every replica is one of ours: the same
         engines, routed with the very knobs the gateway routes with."""
@@ -259,6 +267,7 @@ class LocustRun:
     client: dict[str, Any]
     cpu_busy: float
     cpu_busy_peak: float
+    timeline: Timeline
 
 
 def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> list[str]:
@@ -283,10 +292,12 @@ def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> li
 def run_locust(
     config: BenchConfig, fleet: Fleet, prefix: Path, total: int, label: str
 ) -> LocustRun:
-    """Locust in its own process (gevent wants one); a progress bar fed by the gateway."""
+    """Locust in its own process (gevent wants one); a progress bar fed by the fleet, whose
+    replicas are sampled every second for the charts over time."""
     log = prefix.with_name(prefix.name + "_locust.log")
     psutil.cpu_percent()  # starts the measuring interval
     started = time.monotonic()
+    timeline = Timeline(start=time.time())
     samples: list[float] = []
     with (
         open(log, "w") as output,
@@ -299,7 +310,9 @@ def run_locust(
         seen = _dispatched(client, fleet)
         while process.poll() is None:
             samples.append(psutil.cpu_percent(interval=1.0) / 100)
-            now = _dispatched(client, fleet)
+            replicas = _replicas_now(client, fleet)
+            timeline.sample(time.time(), replicas)
+            now = _dispatched(client, fleet, replicas)
             bar.update(max(now - seen, 0))
             seen = now
     elapsed = time.monotonic() - started
@@ -307,12 +320,24 @@ def run_locust(
         raise RuntimeError(f"locust exited with {process.returncode}: {log.read_text()[-2000:]}")
     requests, failures = _locust_counts(Path(f"{prefix}_stats.csv"))
     client_figures = json.loads(Path(f"{prefix}_client.json").read_text())
+    timeline.add_answers(client_figures.pop("answers", []))
     busy = float(np.mean(samples)) if samples else 0.0
-    return LocustRun(requests, failures, elapsed, client_figures, busy, max(samples, default=0.0))
+    peak = max(samples, default=0.0)
+    return LocustRun(requests, failures, elapsed, client_figures, busy, peak, timeline)
 
 
-def _dispatched(client: httpx.Client, fleet: Fleet) -> int:
-    every = [gateway_stats(client, url) for url in fleet.gateways] if fleet.ours else []
+def _replicas_now(client: httpx.Client, fleet: Fleet) -> list[ReplicaStats]:
+    """Every replica's stats, or none if one did not answer (a sample is all or nothing)."""
+    every = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
+    return [r for r in every if r is not None] if None not in every else []
+
+
+def _dispatched(client: httpx.Client, fleet: Fleet, replicas: Sequence[ReplicaStats] = ()) -> int:
+    """Requests sent so far: our gateways count them; behind another router, our
+    replicas do (since their reset)."""
+    if not fleet.ours:
+        return sum(r.requests for r in replicas)
+    every = [gateway_stats(client, url) for url in fleet.gateways]
     return sum(b.dispatched for stats in every if stats for b in stats.backends)
 
 
@@ -450,7 +475,9 @@ def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) 
     twin = fleet.replay_config()
     if twin is None:
         return None
-    if policy not in POLICIES:  # a label: only a lone server is predictable, any policy
+    if policy == sglang.LABEL:  # SGLang's router: our re-implementation of its algorithm
+        policy = sglang.REPLAYED_AS
+    elif policy not in POLICIES:  # a label: only a lone server is predictable, any policy
         if twin.replicas > 1:
             return None
         policy = "round_robin"
@@ -477,28 +504,69 @@ def add_prediction(row: Row, predicted: Row | None) -> None:
 # ------------------------------------------------------------------- the comparison
 
 
-def compare(config: BenchConfig, gateways: list[str], out: Path) -> tuple[list[Row], Fleet]:
-    """Every policy in turn against ``gateways``; one row each, with the replay's view."""
+def compare(
+    config: BenchConfig, gateways: list[str], out: Path
+) -> tuple[list[Row], Fleet, dict[str, Timeline]]:
+    """Every policy in turn against ``gateways``; one row each, with the replay's view,
+    and each run's timeline."""
     out.mkdir(parents=True, exist_ok=True)
     workload = config.load()
     with httpx.Client(timeout=30.0) as client:
         fleet = discover(client, gateways)
-        if not fleet.ours and len(config.policies) > 1:
-            raise ValueError(
-                f"{', '.join(gateways)}: not a prefix-router gateway, so the bench cannot "
-                "switch its policy: pass one --policies NAME, a label for how it routes"
-            )
-        rows = []
-        for policy in config.policies:
-            if not reset(client, fleet):
-                print(f"warning: could not reset every replica's cache before {policy}",
-                      file=sys.stderr)  # fmt: skip
-            if fleet.ours:
-                switch_policy(client, fleet, policy)
-            before = snapshot(client, fleet)
-            run = run_locust(config, fleet, out / policy, workload.num_requests, policy)
-            rows.append(live_row(policy, config, fleet, run, before, snapshot(client, fleet)))
+        check_target(config, fleet)
+        announce(fleet)
+        rows, timelines = [], {}
+        for label in config.policies:
+            if label == sglang.LABEL and fleet.ours:  # else the target is theirs already
+                row, run = run_behind_sglang(client, config, fleet, workload, out)
+            else:
+                row, run = run_policy(client, config, fleet, label, workload, out)
+            rows.append(row)
+            timelines[label] = run.timeline
     for row in rows:
         predicted = predict(config, fleet, row["label"], workload) if config.predict else None
         add_prediction(row, predicted)
-    return rows, fleet
+    return rows, fleet, timelines
+
+
+def check_target(config: BenchConfig, fleet: Fleet) -> None:
+    if not fleet.ours and len(config.policies) > 1:
+        raise ValueError(
+            f"{', '.join(fleet.gateways)}: not a prefix-router gateway, so the bench cannot "
+            "switch its policy: pass one --policies NAME, a label for how it routes"
+        )
+
+
+def announce(fleet: Fleet) -> None:
+    """Where to watch the run live: each of our gateways serves its dashboard."""
+    for gateway in fleet.gateways if fleet.ours else []:
+        print(f"bench: live dashboard at {gateway}/dashboard", file=sys.stderr)
+
+
+def run_policy(
+    client: httpx.Client,
+    config: BenchConfig,
+    fleet: Fleet,
+    label: str,
+    workload: Workload,
+    out: Path,
+) -> tuple[Row, LocustRun]:
+    """One live run: empty every cache, switch our gateways (if ours), play the workload."""
+    if not reset(client, fleet):
+        print(f"warning: could not reset every replica's cache before {label}", file=sys.stderr)
+    if fleet.ours:
+        switch_policy(client, fleet, label)
+    before = snapshot(client, fleet)
+    run = run_locust(config, fleet, out / label, workload.num_requests, label)
+    return live_row(label, config, fleet, run, before, snapshot(client, fleet)), run
+
+
+def run_behind_sglang(
+    client: httpx.Client, config: BenchConfig, fleet: Fleet, workload: Workload, out: Path
+) -> tuple[Row, LocustRun]:
+    """The same run with SGLang's router in front of the same replicas, started for
+    this row and stopped after it (an error included)."""
+    workers = [url for url, replica in fleet.replicas.items() if replica]
+    print(f"bench: starting SGLang's router in front of {len(workers)} replicas…", file=sys.stderr)
+    with sglang.sglang_router(workers, log=out / f"{sglang.LABEL}.log") as router:
+        return run_policy(client, config, fleet.behind(router), sglang.LABEL, workload, out)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from deploy.flags import add_config_flags, config_flags, config_overrides
-from loadtest import bench, plots
+from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
 from loadtest.report import Row, command_line, format_table, version, write_json
+from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig
 from replica.api.config import ReplicaConfig
 
@@ -72,7 +74,14 @@ def add_bench_parser(commands: Any) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(BenchConfig().policies),
-        help=f"comma-separated (default: {','.join(BenchConfig().policies)})",
+        help=f"comma-separated (default: {','.join(BenchConfig().policies)}); "
+        f"{sglang.LABEL}: SGLang's router in front of the same replicas",
+    )
+    parser.add_argument(
+        "--with-sglang",
+        action="store_true",
+        help=f"add a row routed by SGLang's router (sglang-router), started in front of the "
+        f"same replicas for its run and stopped after (same as {sglang.LABEL} in --policies)",
     )
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
     parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
@@ -98,6 +107,8 @@ def add_bench_parser(commands: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     policies = tuple(p for p in args.policies.split(",") if p)
+    if args.with_sglang and sglang.LABEL not in policies:
+        policies += (sglang.LABEL,)
     config = BenchConfig(
         policies=policies,
         model=args.model,
@@ -113,7 +124,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with _target(args) as (gateways, description):
         print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)
-        rows, fleet = bench.compare(config, gateways, out)
+        rows, fleet, timelines = bench.compare(config, gateways, out)
     meta = {
         "seed": config.seed,
         "command": command_line(),
@@ -127,7 +138,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "replay": config.predict,
     }
     print(format_table(rows, TABLE_KEYS))
-    write_report(out, rows, meta)
+    write_report(out, rows, meta, timelines)
     print(f"report: {out / 'report.md'}")
     return 0
 
@@ -164,13 +175,15 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
     return config_flags(overrides, prefix="replica-")
 
 
-def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
+def write_report(
+    out: Path, rows: Sequence[Row], meta: dict[str, Any], timelines: Mapping[str, Timeline]
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "report.json", rows, meta)
-    charts = ["hit_rate.png", "ttft.png", "load.png"]
-    plots.live_hit_rate_chart(rows, out / charts[0])
-    plots.ttft_percentiles_chart(rows, out / charts[1])
-    plots.load_chart(rows, out / charts[2])
+    (out / "timelines.json").write_text(
+        json.dumps({label: t.as_dict() for label, t in timelines.items()}) + "\n"
+    )
+    charts = write_charts(out, rows, timelines)
     busy = meta.get("cpu_busy")
     lines = [
         "# prefix-router bench",
@@ -191,10 +204,34 @@ def write_report(out: Path, rows: Sequence[Row], meta: dict[str, Any]) -> None:
         *_event_latency_lines(rows),
         *_flags(rows, replayed=bool(meta.get("replay", True))),
         READING,
-        *(f"![{name}]({name})" for name in charts),
-        "",
+        *(f"![{title}]({name})\n" for name, title in charts.items()),
     ]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def write_charts(
+    out: Path, rows: Sequence[Row], timelines: Mapping[str, Timeline]
+) -> dict[str, str]:
+    """The report's PNGs, by file name with their titles: the comparison's bars, then
+    the runs over time as the gateway's live dashboard shows them."""
+    charts = {
+        "hit_rate.png": (plots.live_hit_rate_chart, rows, "token hit rate per policy"),
+        "ttft.png": (plots.ttft_percentiles_chart, rows, "TTFT per policy"),
+        "load.png": (plots.load_chart, rows, "requests per replica"),
+        "hit_rate_over_time.png": (
+            timeline_plots.hit_rate_over_time_chart, timelines, "hit rate over time"
+        ),
+        "ttft_over_time.png": (timeline_plots.ttft_over_time_chart, timelines, "TTFT over time"),
+        "replica_load.png": (
+            timeline_plots.replica_load_chart, timelines, "outstanding requests per replica"
+        ),
+        "cache_occupancy.png": (
+            timeline_plots.cache_occupancy_chart, timelines, "cache occupancy per replica"
+        ),
+    }  # fmt: skip
+    for name, (chart, data, _) in charts.items():
+        chart(data, out / name)  # type: ignore[operator]
+    return {name: title for name, (_, _, title) in charts.items()}
 
 
 def _event_latency_lines(rows: Sequence[Row]) -> list[str]:

@@ -8,7 +8,9 @@ Each user takes the next session of the seeded workload (``--workload chat`` or
 in order, streaming every request. Besides each request's total time, Locust shows
 ``TTFT`` (time to the first token) and ``ITL`` (mean time between tokens) as their
 own entries. The usage block's prompt and cached tokens are summed, so a client-side
-hit rate can be compared with the replicas' own (``--results-file``). The chat
+hit rate can be compared with the replicas' own (``--results-file``), and that hit rate
+is in Locust's own figures as the run goes (``HIT%`` entries, a "Cache hits" tab: see
+``loadtest/locust_hits.py``), so in its ``--csv`` files and ``--html`` report. The chat
 workload takes ``prefix-router replay``'s ``--chat-*`` flags (or ``PR_CHAT_*``
 variables). Once every session has been played, the test ends.
 """
@@ -26,6 +28,7 @@ from locust import HttpUser, constant, events, task
 from locust.env import Environment
 
 from deploy.flags import add_config_flags, config_overrides
+from loadtest.locust_hits import CacheHits, install_web_ui
 from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
 from replica.api.identity import DEFAULT_MODEL
 
@@ -101,6 +104,9 @@ class Tally:
         self.session_starts: list[tuple[float, float]] = []  # (due, started), seconds
         self.ttft_s: list[float] = []
         self.e2e_s: list[float] = []
+        #: (wall time sent, TTFT, prompt tokens, cached tokens) per answer with usage:
+        #: the bench's charts over time.
+        self.answers: list[tuple[float, float, int, int]] = []
         self._lock = threading.Lock()
 
     def add(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -114,6 +120,12 @@ class Tally:
             self.ttft_s.append(ttft_s)
             self.e2e_s.append(e2e_s)
 
+    def add_answer(
+        self, sent: float, ttft_s: float, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        with self._lock:
+            self.answers.append((sent, ttft_s, prompt_tokens, cached_tokens))
+
     def as_dict(self) -> dict[str, Any]:
         rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
         late = sum(started - due > 0.1 for due, started in self.session_starts)
@@ -126,11 +138,13 @@ class Tally:
             "late_session_starts": late,  # open loop with too few users to keep pace
             "ttft_s": self.ttft_s,  # per streamed request, exact (Locust's are bucketed)
             "e2e_s": self.e2e_s,
+            "answers": self.answers,
         }
 
 
 SESSIONS: Sessions | None = None
 TALLY = Tally()
+HITS = CacheHits()  # the same usage blocks, in Locust's statistics and web UI
 TEST_START = [0.0]  # monotonic time the test started (open loop schedules from it)
 FRONTS: list[list[str]] = [[]]  # the gateways requests are spread over (--gateways)
 RNG = np.random.default_rng(0)  # which gateway: seeded, so runs repeat
@@ -139,6 +153,16 @@ RNG = np.random.default_rng(0)  # which gateway: seeded, so runs repeat
 @events.test_start.add_listener
 def mark_start(**_: Any) -> None:
     TEST_START[0] = time.monotonic()
+
+
+@events.init.add_listener
+def show_hits(environment: Environment, **_: Any) -> None:
+    install_web_ui(environment, HITS)
+
+
+@events.reset_stats.add_listener
+def reset_hits(**_: Any) -> None:
+    HITS.reset()  # the web UI's "Reset stats" button
 
 
 @events.init.add_listener
@@ -216,10 +240,12 @@ class ChatSessionUser(HttpUser):
             path, name = "/v1/completions", "completion"
             body["prompt"] = turn.prompt_token_ids.tolist()
             turn.forget_prompt()
+        sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
         first: float | None = None
         last = start
         tokens = 0
+        usage: tuple[int, int] | None = None
         with self.client.post(
             self.front() + path, json=body, stream=True, catch_response=True, name=name
         ) as response:
@@ -231,9 +257,9 @@ class ChatSessionUser(HttpUser):
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage") and not chunk.get("choices"):
-                    usage = chunk["usage"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    TALLY.add(usage["prompt_tokens"], details.get("cached_tokens") or 0)
+                    usage = _usage(chunk["usage"])
+                    TALLY.add(*usage)
+                    HITS.add(self.environment, name, *usage)
                     continue
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
                 if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
@@ -250,6 +276,8 @@ class ChatSessionUser(HttpUser):
                 response.failure("the stream ended without a token")
                 return
         TALLY.add_latency(first - start, end - start)
+        if usage is not None:
+            TALLY.add_answer(sent, first - start, *usage)
         self._report("TTFT", name, (first - start) * 1000)
         if tokens > 1:
             self._report("ITL", name, (last - first) * 1000 / (tokens - 1))
@@ -269,3 +297,9 @@ class ChatSessionUser(HttpUser):
             exception=None,
             context={},
         )
+
+
+def _usage(usage: dict[str, Any]) -> tuple[int, int]:
+    """Prompt and cached tokens of a usage block (``cached_tokens`` may be absent)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)

@@ -34,7 +34,7 @@ def hit_rate_chart(rows: Sequence[Row], path: Path) -> None:
     ax.set_ylim(0, 100)
     ax.set_title("Prefix-cache hit rate per policy")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def ttft_chart(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
@@ -50,12 +50,14 @@ def ttft_chart(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
     ax.set_title("TTFT distribution")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def load_chart(rows: Sequence[Row], path: Path) -> None:
-    """Requests sent to each replica, grouped by row (pass the measured rows)."""
+    """Requests sent to each replica, grouped by row (pass the measured rows); a row
+    without per-replica counts (a server or router that is not ours) is named, not drawn."""
     measured = [r for r in rows if r.get("requests_per_replica")]
+    unknown = [r["label"] for r in rows if not r.get("requests_per_replica")]
     replicas = max((len(r["requests_per_replica"]) for r in measured), default=0)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(measured) + 2), 4))
     width = 0.8 / max(replicas, 1)
@@ -73,9 +75,12 @@ def load_chart(rows: Sequence[Row], path: Path) -> None:
     )
     ax.set_ylabel("requests")
     ax.set_title("Requests per replica")
-    if replicas <= 8:
+    if unknown:
+        note = f"no per-replica counts: {', '.join(unknown)}"
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", fontsize=8, color="#777777")
+    if 0 < replicas <= 8:  # no bars, no legend (matplotlib warns of an empty one)
         ax.legend(fontsize=7, ncol=2)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def live_hit_rate_chart(rows: Sequence[Row], path: Path) -> None:
@@ -118,8 +123,9 @@ def _grouped_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.margins(y=0.12)  # room for the bar labels
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(present))
-    _save(fig, path)
+    if present:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(present))
+    save_figure(fig, path)
 
 
 def sweep_chart(rows: Sequence[Row], key: str, path: Path) -> None:
@@ -153,7 +159,7 @@ def sweep_chart(rows: Sequence[Row], key: str, path: Path) -> None:
     axes[1].set_title("Time to first token")
     axes[2].set_title("Load spread")
     axes[0].legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 #: The legend's name for the ``single_engine_Nx`` rows: one pooled engine per size.
@@ -174,7 +180,8 @@ def _sweep_lines(rows: Sequence[Row], key: str) -> dict[str, list[tuple[float, R
     return {name: sorted(points, key=lambda p: p[0]) for name, points in lines.items()}
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def save_figure(fig: plt.Figure, path: Path) -> None:
+    """Write ``fig`` as a PNG and free it (pyplot keeps every open figure)."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

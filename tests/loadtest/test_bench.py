@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from deploy.processes import running
@@ -66,9 +67,10 @@ def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[
     else:  # nothing compared, nothing claimed
         assert "agree within" not in markdown and "Not compared with a replay" in markdown
     assert all(re.search(rf"\|\s+{p} \|", markdown) for p in policies)
-    assert all(
-        (out / chart).stat().st_size > 0 for chart in ("hit_rate.png", "ttft.png", "load.png")
-    )
+    charts = ["hit_rate.png", "ttft.png", "load.png", "hit_rate_over_time.png",
+              "ttft_over_time.png", "replica_load.png", "cache_occupancy.png"]  # fmt: skip
+    assert all((out / chart).stat().st_size > 0 for chart in charts)
+    assert all(f"({chart})" in markdown for chart in charts)  # embedded in the report
     return rows
 
 
@@ -86,6 +88,32 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
     assert rows[0]["prediction_accuracy"] is None
     assert rows[1]["prediction_accuracy"] >= 0.9 and rows[2]["prediction_accuracy"] >= 0.95
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
+
+
+def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):
+    replica = ["replica", "--speedup", "4", "--num-blocks", "512"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with running(gateway) as (url,):
+            done = bench(tmp_path, "--gateway", url, "--policies", "round_robin,cache_aware",
+                         "--with-sglang")  # fmt: skip
+            # SGLang's router was started for its row and stopped after it.
+            assert not [p for p in psutil.process_iter(["cmdline"])
+                        if "sglang_router" in " ".join(p.info["cmdline"] or [])
+                        and replicas[0] in " ".join(p.info["cmdline"])]  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"live dashboard at {url}/dashboard" in done.stderr
+    # The same replicas, emptied before each row: every row counts the whole workload.
+    rows = check_report(tmp_path, ["round_robin", "cache_aware", "sglang_router"])
+    theirs = rows[2]
+    assert theirs["policy"] is None and theirs["replicas"] == 2
+    assert theirs["prediction_accuracy"] is None  # their router predicts nothing we can read
+    timelines = json.loads((tmp_path / "timelines.json").read_text())
+    assert list(timelines) == ["round_robin", "cache_aware", "sglang_router"]
+    for row in rows:
+        timeline = timelines[row["label"]]
+        assert len(timeline["answers"]) == row["requests"]
+        assert timeline["times"] and all(len(s) == 2 for s in timeline["outstanding"])
 
 
 @pytest.mark.ray

@@ -1,15 +1,18 @@
 """A short headless Locust run of the chat workload through a real gateway and replicas."""
 
+import contextlib
 import csv
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy.processes import running
+from deploy.processes import free_port, running
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +37,8 @@ def test_a_headless_locust_run_completes_and_its_figures_agree(tmp_path):
     with running(replica, replica) as replicas:
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
         with running(gateway_command) as (gateway,):
-            locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6")
+            locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6",
+                   "--html", str(tmp_path / "report.html"))  # fmt: skip
             engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]
     with open(tmp_path / "run_stats.csv", newline="") as stats_file:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(stats_file)}
@@ -48,6 +52,28 @@ def test_a_headless_locust_run_completes_and_its_figures_agree(tmp_path):
     assert client["prompt_tokens"] == sum(e["query_tokens"] for e in engine)
     assert client["cached_tokens"] == sum(e["hit_tokens"] for e in engine)
     assert client["client_token_hit_rate"] > 0.5
+    # Locust's own figures carry the same hit rate: its CSV...
+    engines = 100 * sum(e["hit_tokens"] for e in engine) / sum(e["query_tokens"] for e in engine)
+    hits = rows[("HIT%", "chat")]
+    assert int(hits["Request Count"]) == requests
+    assert float(hits["Average Response Time"]) == pytest.approx(engines, abs=0.01)
+    assert float(hits["Median Response Time"]) == pytest.approx(engines, abs=0.5)  # bucketed
+    per_answer = rows[("HIT%", "chat per answer")]
+    assert int(per_answer["Request Count"]) == requests
+    assert 0 <= float(per_answer["Min Response Time"]) <= float(per_answer["Max Response Time"])
+    # ...and its HTML report (its figures are the page's data, as JSON).
+    report = html_statistics(tmp_path / "report.html")
+    assert report[("HIT%", "chat")]["avg_response_time"] == pytest.approx(engines, abs=0.01)
+    assert report[("HIT%", "chat")]["num_requests"] == requests
+    assert ("HIT%", "chat per answer") in report and ("TTFT", "chat") in report
+
+
+def html_statistics(path: Path) -> dict[tuple[str, str], dict]:
+    """The request statistics a Locust HTML report renders, by (type, name)."""
+    page = path.read_text()
+    start = page.index("window.templateArgs = ") + len("window.templateArgs = ")
+    data, _ = json.JSONDecoder().raw_decode(page[start:])
+    return {(s["method"], s["name"]): s for s in data["requests_statistics"]}
 
 
 def test_open_loop_sessions_start_on_schedule_not_when_answers_come(tmp_path):
@@ -59,3 +85,67 @@ def test_open_loop_sessions_start_on_schedule_not_when_answers_come(tmp_path):
     assert due[-1] - due[0] > 1.0  # Poisson arrivals at 2 per second, not all at once
     for scheduled, started in starts:
         assert scheduled - 0.05 <= started <= scheduled + 1.0
+
+
+@contextlib.contextmanager
+def locust_web_ui(tmp_path: Path, host: str, *options: str) -> Iterator[str]:
+    """Locust with its web UI on a free loopback port, started at once (``--autostart``);
+    stopped however the test ends."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
+        "--web-host", "127.0.0.1", "--web-port", str(port), "--autostart", "-u", "3", "-r", "3",
+        "--think-time-scale", "0", *options,
+    ]  # fmt: skip
+    log = open(tmp_path / "locust.log", "w")  # noqa: SIM115  (closed below)
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def wait_for_state(ui: str, state: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            figures = httpx.get(ui + "/stats/requests", timeout=2).json()
+            if figures.get("state") == state:
+                return figures
+        time.sleep(0.5)
+    raise TimeoutError(f"Locust's web UI at {ui} never reached {state!r}")
+
+
+def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path):
+    replica = ["replica", "--speedup", "20"]
+    with running(replica, replica) as replicas:
+        gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with (
+            running(gateway_command) as (gateway,),
+            locust_web_ui(tmp_path, gateway, "--chat-num-sessions", "4") as ui,
+        ):
+            # Every session played, the run stops itself; the UI stays up.
+            figures = wait_for_state(ui, "stopped")
+            engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]
+            hits = httpx.get(ui + "/prefix-router/cache-hits").json()["rows"]
+            as_csv = httpx.get(ui + "/prefix-router/cache-hits/csv").text
+            page = httpx.get(ui + "/").text
+    rate = sum(e["hit_tokens"] for e in engine) / sum(e["query_tokens"] for e in engine)
+    (chat,) = hits
+    assert chat["name"] == "chat" and chat["answers"] > 4
+    assert chat["prompt_tokens"] == sum(e["query_tokens"] for e in engine)
+    assert chat["token_hit_rate"] == f"{100 * rate:.1f}%"
+    assert chat["recent_hit_rate"] == chat["token_hit_rate"]  # the run took under a minute
+    # The tab's rows ride on the statistics the UI polls, beside the HIT% entries.
+    (extended,) = figures["extended_stats"]
+    assert extended["key"] == "cache-hits" and extended["data"] == hits
+    entries = {(s["method"], s["name"]) for s in figures["stats"]}
+    assert {("HIT%", "chat"), ("HIT%", "chat per answer"), ("TTFT", "chat")} <= entries
+    assert as_csv.splitlines()[0].startswith("Name,Answers,Prompt tokens,Cached tokens")
+    assert '"extended_tabs"' in page and "Cache hits" in page  # the tab the page renders
