@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test lint bench fleet clean
+.PHONY: install demo test lint browser bench fleet clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,14 @@ lint: $(INSTALLED)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+# The dashboard's browser test drives Debian's headless Chromium and its driver.
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+test: lint browser
 	$(BIN)/pytest
 
 bench: $(INSTALLED)
@@ -48,7 +55,7 @@ fleet: $(INSTALLED)
 		--policies round_robin,cache_aware --host-blocks 0 --jobs 2 --out reports/fleet-chat
 	$(BIN)/prefix-router replay --workload trace:$(TRACE) --limit 1000 --replicas-per-copy 8 \
 		--sweep replicas=64,256,1024 --block-size 64 --stride 1 --host-blocks 0 \
-		--policies round_robin,cache_aware --jobs 2 --out reports/fleet-trace
+		--policies round_robin,cache_aware --out reports/fleet-trace
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache .mypy_cache .ruff_cache

@@ -3,7 +3,7 @@
 The page must show what the gateway's ``/stats`` (and the replicas' own) say, ask
 for an admin key when keys are configured, keep prompt text hidden until asked, and
 say so when the gateway has no backends. Chromium comes from the system's packages
-(``.ci/run`` installs ``chromium`` and ``chromium-driver`` when they are missing).
+(``make test`` installs ``chromium`` and ``chromium-driver`` when they are missing).
 """
 
 from __future__ import annotations
