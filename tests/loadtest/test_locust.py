@@ -11,6 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running
 
@@ -122,7 +125,7 @@ def wait_for_state(ui: str, state: str, timeout_s: float = 60.0) -> dict:
     raise TimeoutError(f"Locust's web UI at {ui} never reached {state!r}")
 
 
-def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path):
+def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path, browser):
     replica = ["replica", "--speedup", "20"]
     with running(replica, replica) as replicas:
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
@@ -136,6 +139,8 @@ def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path):
             hits = httpx.get(ui + "/prefix-router/cache-hits").json()["rows"]
             as_csv = httpx.get(ui + "/prefix-router/cache-hits/csv").text
             page = httpx.get(ui + "/").text
+            tab = cache_hits_tab(browser, ui)
+            browser.save_screenshot(str(tmp_path / "locust_cache_hits.png"))
     rate = sum(e["hit_tokens"] for e in engine) / sum(e["query_tokens"] for e in engine)
     (chat,) = hits
     assert chat["name"] == "chat" and chat["answers"] > 4
@@ -149,3 +154,22 @@ def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path):
     assert {("HIT%", "chat"), ("HIT%", "chat per answer"), ("TTFT", "chat")} <= entries
     assert as_csv.splitlines()[0].startswith("Name,Answers,Prompt tokens,Cached tokens")
     assert '"extended_tabs"' in page and "Cache hits" in page  # the tab the page renders
+    # In a real browser: the tab is there, and shows the same row.
+    assert tab[0] == ["Name", "Answers", "Prompt tokens", "Cached tokens", "Token hit rate",
+                      "Last minute"]  # fmt: skip
+    assert tab[1] == [str(chat[key]) for key in ("name", "answers", "prompt_tokens",
+                      "cached_tokens", "token_hit_rate", "recent_hit_rate")]  # fmt: skip
+
+
+def named(driver: WebDriver, title: str) -> list:
+    return [t for t in driver.find_elements(By.CSS_SELECTOR, "[role=tab]") if t.text == title]
+
+
+def cache_hits_tab(browser: WebDriver, ui: str) -> list[list[str]]:
+    """The cells of Locust's "Cache hits" tab, as a person would open it."""
+    browser.get(ui)
+    wait = WebDriverWait(browser, 30)
+    tab = wait.until(lambda d: next(iter(named(d, "CACHE HITS")), None))
+    tab.click()
+    rows = wait.until(lambda d: len(found := d.find_elements(By.CSS_SELECTOR, "tr")) > 1 and found)
+    return [[cell.text for cell in row.find_elements(By.CSS_SELECTOR, "th,td")] for row in rows]

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -25,19 +22,6 @@ from tests.shared import gateway_stats, replica_stats
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-#: This machine reaches only loopback: nothing in the background may try the network.
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1000",
-]
 ADMIN, TENANT = "admin-key-for-tests", "tenant-key-for-tests"
 SYSTEMS = [f"Application {a} answers questions about product {a}. " * 12 for a in range(3)]
 
@@ -53,22 +37,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
                    "--api-keys-file", str(keys)]  # fmt: skip
         with running(gateway) as (url,):
             yield url, replicas
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[WebDriver]:
-    """Headless Chromium with a fresh profile, quit however the test ends."""
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not Path(path).exists()]
-    assert not missing, f"install Debian's chromium and chromium-driver (missing: {missing})"
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def drive_traffic(url: str, requests: int = 36) -> None:
