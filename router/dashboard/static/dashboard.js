@@ -179,7 +179,8 @@ function drawChart(id, fields, format, range) {
     const options = {
       width: 430, height: 210, series,
       scales: { x: { time: true }, y: range ? { range } : {} },
-      axes: [{}, { values: (u, ticks) => ticks.map(format), size: 60 }],
+      // Wide enough for "1000.0 ms": uPlot's default cuts long tick labels.
+      axes: [{}, { values: (u, ticks) => ticks.map(format), size: 76 }],
       legend: { live: false },
     };
     chart = state.charts[id] = { plot: new uPlot(options, data, $(id)), signature };
