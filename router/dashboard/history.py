@@ -77,10 +77,21 @@ class History:
         while self.samples and self.samples[0].ts < horizon:
             self.samples.popleft()
 
-    def window_start(self, now: Sample) -> Sample | None:
-        """The oldest sample within the window before ``now`` (``None``: none yet)."""
+    def window_start(self, now: Sample, replica: str) -> Sample | None:
+        """The oldest sample within the window before ``now`` in which ``replica`` gave
+        its figures (``None``: none yet). A refresh whose fetch of a replica's ``/stats``
+        timed out does not blank that replica's rates for a whole window."""
         start = now.ts - self.config.dashboard_window_s
-        return next((s for s in self.samples if start <= s.ts < now.ts), None)
+        return next(
+            (
+                s
+                for s in self.samples
+                if start <= s.ts < now.ts
+                and (figures := s.replicas.get(replica)) is not None
+                and figures.query_tokens is not None
+            ),
+            None,
+        )
 
     def points(self, since: float) -> dict[str, list[Point]]:
         """Per policy, a point for each pair of consecutive samples after ``since``."""

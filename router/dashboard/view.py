@@ -170,9 +170,8 @@ def build(
     """The figures of one refresh (and a history sample, if one is due)."""
     stats = gateway.stats()
     now = take_sample(stats, gateway, replicas, ts)
-    start = history.window_start(now)
+    starts = {name: history.window_start(now, name) for name in now.replicas}
     history.add(now)
-    seconds = now.ts - start.ts if start else 0.0
     return DashboardView(
         ts=ts,
         policy=stats.policy,
@@ -183,7 +182,7 @@ def build(
         refused=stats.refused,
         retries=stats.retries,
         replicas=[
-            _replica_view(gateway, b, replicas.get(b.replica_id), now, start, seconds)
+            _replica_view(gateway, b, replicas.get(b.replica_id), now, starts[b.replica_id])
             for b in stats.backends
         ],
         policies=_policy_views(stats),
@@ -199,9 +198,9 @@ def _replica_view(
     own: ReplicaStats | None,
     now: Sample,
     start: Sample | None,
-    seconds: float,
 ) -> ReplicaView:
     name = backend.replica_id
+    seconds = now.ts - start.ts if start else 0.0
     rates = replica_rates(now.replicas[name], start.replicas.get(name) if start else None, seconds)
     cache = own.cache if own else None
     index = gateway.policy.index if isinstance(gateway.policy, IndexedPolicy) else None

@@ -29,7 +29,7 @@ def test_rates_are_over_the_window_and_points_between_samples():
     for ts, requests in ((0.0, 0), (1.0, 10), (2.0, 30)):
         history.add(sample(ts, requests, 40 * requests, requests, 50 * requests))
     now = sample(4.5, 40, 1600, 40, 2000)
-    start = history.window_start(now)
+    start = history.window_start(now, "r0")
     assert start is not None and start.ts == 1.0  # 0.0 is older than 4 s
     rates = replica_rates(now.replicas["r0"], start.replicas["r0"], now.ts - start.ts)
     assert rates.decisions_per_s == pytest.approx(30 / 3.5)
@@ -46,3 +46,16 @@ def test_rates_are_over_the_window_and_points_between_samples():
 def test_a_replica_reset_gives_no_rate_rather_than_a_negative_one():
     rates = replica_rates(ReplicaSample(5, 10, 5), ReplicaSample(3, 100, 50), 2.0)
     assert rates.token_hit_rate is None and rates.decisions_per_s == 1.0
+
+
+def test_a_replica_that_did_not_answer_a_refresh_keeps_its_window():
+    """A refresh whose fetch of the replica's /stats timed out holds no figures for it:
+    its rates run from the oldest sample that has them, not from nothing."""
+    history = History(CONFIG)
+    silent = Sample(1.0, {}, {"r0": ReplicaSample(0, None, None)})
+    history.add(silent)
+    history.add(sample(2.0, 10, 400, 10, 500))
+    now = sample(4.5, 40, 1600, 40, 2000)
+    start = history.window_start(now, "r0")
+    assert start is not None and start.ts == 2.0
+    assert history.window_start(now, "r1") is None  # a replica no sample knows
