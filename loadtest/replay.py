@@ -174,10 +174,9 @@ class Simulation:
         self.routers = [self._router(policy, g) for g in range(config.routers)]
         self.policy, self.replicas = self.routers[0]  # the only one, by default
         self._pick_router = np.random.default_rng([config.seed, 1])
-        self._indexes = range(config.replicas)
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
-        self._seed = lru_cache(maxsize=None)(partial(identity_seed, config.model))  # by tenant
+        self._seed = _tenant_seeds(config.model)
         self._stride_tokens = config.routing.stride_tokens
         self._in_flight: dict[str, tuple[int, int, RoutingRequest, int]] = {}  # ..., router
         self._stepping = [False] * config.replicas
@@ -405,6 +404,12 @@ class Simulation:
                 policy.on_kv_events(states[index], payload)  # type: ignore[arg-type]
 
 
+def _tenant_seeds(model: str) -> Callable[[str | None], int]:
+    """Identity seeds by tenant (cache salt), each hashed once: a replay's tenants are
+    the workload's, a bounded set (the gateway, facing clients, keeps no such cache)."""
+    return lru_cache(maxsize=None)(partial(identity_seed, model))
+
+
 def replay(
     workload: Workload,
     config: ReplayConfig,
@@ -427,7 +432,7 @@ class Bound:
 
 def infinite_cache_bound(workload: Workload, result: ReplayResult) -> Bound:
     block_size = result.config.block_size
-    seed = lru_cache(maxsize=None)(partial(identity_seed, result.config.model))  # by tenant
+    seed = _tenant_seeds(result.config.model)
     seen: set[int] = set()
     prompt_tokens = cached_tokens = query_blocks = hit_blocks = 0
     for record in sorted(result.records, key=lambda r: r.arrival_s):

@@ -149,18 +149,18 @@ def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
     ]
 
 
-def _workload_loader(args: argparse.Namespace) -> Callable[[int], Workload]:
-    """Workloads by fleet size (chat load is per replica unless given), built once each."""
+def _build_workloads(args: argparse.Namespace, sizes: list[int]) -> None:
+    """The workload of every fleet size, into ``_WORKLOADS``, each built once: chat's
+    load is per replica unless given; a trace is as recorded, or copied once per
+    ``--replicas-per-copy``. Built before any worker forks: the workers share them."""
+    _WORKLOADS.clear()
     built: dict[int, Workload] = {}
-
-    def load(replicas: int) -> Workload:
-        if args.workload != "chat" and args.replicas_per_copy is None:
-            replicas = 0  # the trace as it is, whatever the fleet
-        if replicas not in built:
-            built[replicas] = load_workload(args.workload, _workload_overrides(args, replicas))
-        return built[replicas]
-
-    return load
+    for replicas in sizes:
+        scales = args.workload == "chat" or args.replicas_per_copy is not None
+        key = replicas if scales else 0  # 0: the same workload for every size
+        if key not in built:
+            built[key] = load_workload(args.workload, _workload_overrides(args, key))
+        _WORKLOADS[replicas] = built[key]
 
 
 def _workload_overrides(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
@@ -188,9 +188,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     sweep_key, configs = _configs(args)
-    load = _workload_loader(args)
-    for config in configs:  # built before any worker forks: the workers share them
-        _WORKLOADS[config.replicas] = load(config.replicas)
+    _build_workloads(args, [config.replicas for config in configs])
     jobs = [job for config in configs for job in _jobs(config, policies, sweep_key, args)]
     done = _run_all(jobs, args)
     rows: list[Row] = []

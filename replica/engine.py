@@ -129,6 +129,9 @@ class Burst:
     start_s: float
     elapsed: list[float]  # elapsed[k - 1]: the first k iterations' duration
     batch: BatchShape
+    #: Tokens drawn while planning, for the requests an EOS may end (the rest are
+    #: drawn when the burst runs, and only for the iterations it runs).
+    drawn: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def max_steps(self) -> int:
@@ -286,16 +289,18 @@ class Engine:
         if scheduler.waiting or not running or any(s.num_uncomputed_tokens != 1 for s in running):
             return None
         steps = min(max_steps, *(s.request.max_tokens - len(s.output_token_ids) for s in running))
+        drawn = {}
         for seq in running:  # a reply that may end with EOS ends the burst there
             if not seq.request.ignore_eos and steps > 1:
-                steps = min(steps, len(self._draw_tokens(seq, steps)))
+                drawn[seq.request_id] = tokens = self._draw_tokens(seq, steps)
+                steps = min(steps, len(tokens))
         if steps < 2 or not scheduler.can_grow_all(steps):
             return None
         context = sum(s.num_computed_tokens + 1 for s in running)
         scale = self.config.compute_scale
         durations = [d / scale for d in self.cost.decode_step_times(len(running), context, steps)]
         batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
-        return Burst(self.now, list(accumulate(durations)), batch)
+        return Burst(self.now, list(accumulate(durations)), batch, drawn)
 
     def run_burst(self, burst: Burst, steps: int) -> StepResult:
         """Run the first ``steps`` iterations of a burst planned on this engine's
@@ -308,8 +313,12 @@ class Engine:
         self.busy_s += duration
         self.num_steps += steps
         running = list(self.scheduler.running)
-        outputs = [self._advance_by(seq, self._draw_tokens(seq, steps)) for seq in running]
+        outputs = [self._advance_by(seq, self._burst_tokens(burst, seq, steps)) for seq in running]
         return StepResult(duration, outputs, burst.batch, steps)
+
+    def _burst_tokens(self, burst: Burst, seq: Sequence, steps: int) -> list[int]:
+        drawn = burst.drawn.get(seq.request_id)
+        return drawn[:steps] if drawn is not None else self._draw_tokens(seq, steps)
 
     def _draw_tokens(self, seq: Sequence, count: int) -> list[int]:
         """The next ``count`` tokens of ``seq``, cut after an EOS it does not ignore."""

@@ -231,3 +231,33 @@ def test_the_h100_profile_gives_published_orders_of_magnitude():
     decode_1 = profile.step_time(BatchShape(decode_seqs=1, decode_context_tokens=512))
     assert 0.02 < prefill_2k < 0.1  # tens of ms for a 2k prompt on one H100
     assert 0.004 < decode_1 < 0.012  # single-digit ms per token, memory-bound
+
+
+def test_bursts_cut_anywhere_give_the_tokens_and_times_of_single_steps(make_engine):
+    """Planned bursts, each run to a different length (as the replayer cuts them), with
+    requests that EOS may end: the same tokens, reasons and clock as step by step."""
+
+    def play(burst_cuts: list[int] | None) -> tuple[dict[str, dict], float]:
+        engine = make_engine(num_blocks=512, eos_probability=0.02)
+        requests = [EngineRequest(f"r{i}", prompt(40, 100 * i), 80) for i in range(5)]
+        requests.append(EngineRequest("long", prompt(40, 999), 120, ignore_eos=True))
+        results = {r.request_id: {"tokens": [], "reason": None} for r in requests}
+        for request in requests:
+            engine.add_request(request)
+        cuts = iter(burst_cuts or [])
+        while engine.has_unfinished:
+            burst = engine.plan_burst(64) if burst_cuts is not None else None
+            if burst is not None:
+                step = engine.run_burst(burst, min(next(cuts, 64), burst.max_steps))
+            else:
+                step = engine.step()
+            for out in step.outputs:
+                results[out.request_id]["tokens"] += out.new_token_ids
+                results[out.request_id]["reason"] = out.finish_reason
+        return results, engine.now
+
+    single, single_end = play(None)
+    bursts, bursts_end = play([1, 7, 3, 64, 2, 30, 5] * 10)
+    assert bursts == single
+    assert bursts_end == pytest.approx(single_end, rel=1e-12)
+    assert {r["reason"] for r in single.values()} == {"stop", "length"}  # EOS ended some
