@@ -225,62 +225,33 @@ class ChatSessionUser(HttpUser):
         TALLY.session_starts.append((due, time.monotonic() - TEST_START[0]))
 
     def send(self, turn: Turn) -> None:
-        options = self.environment.parsed_options
-        body: dict[str, Any] = {
-            "model": options.model,
-            "max_tokens": turn.max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if turn.messages is not None:
-            path, name = "/v1/chat/completions", "chat"
-            body["messages"] = list(turn.messages)
-        else:
-            path, name = "/v1/completions", "completion"
-            body["prompt"] = turn.prompt_token_ids.tolist()
-            turn.forget_prompt()
+        path, name, body = _request(turn, self.environment.parsed_options.model)
         sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
-        first: float | None = None
-        last = start
-        tokens = 0
-        usage: tuple[int, int] | None = None
         with self.client.post(
             self.front() + path, json=body, stream=True, catch_response=True, name=name
         ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
                 return
+            stream = _Stream()
             for line in response.iter_lines():
-                if not line or not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage") and not chunk.get("choices"):
-                    usage = _usage(chunk["usage"])
-                    TALLY.add(*usage)
-                    HITS.add(self.environment, name, *usage)
-                    continue
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
-                    continue  # a role announcement, not a token
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                tokens += 1
-                last = now
+                stream.read(line)
             end = time.perf_counter()
             # Locust timed the headers only (stream=True): report the whole answer.
             response.request_meta["response_time"] = (end - start) * 1000
-            if first is None:
+            if stream.first is None:
                 response.failure("the stream ended without a token")
                 return
-        TALLY.add_latency(first - start, end - start)
-        if usage is not None:
-            TALLY.add_answer(sent, first - start, *usage)
-        self._report("TTFT", name, (first - start) * 1000)
-        if tokens > 1:
-            self._report("ITL", name, (last - first) * 1000 / (tokens - 1))
+        first = stream.first - start
+        TALLY.add_latency(first, end - start)
+        if stream.usage is not None:
+            TALLY.add(*stream.usage)
+            HITS.add(self.environment, name, *stream.usage)
+            TALLY.add_answer(sent, first, *stream.usage)
+        self._report("TTFT", name, first * 1000)
+        if stream.tokens > 1:
+            self._report("ITL", name, (stream.last - stream.first) * 1000 / (stream.tokens - 1))
 
     def front(self) -> str:
         """The gateway for the next request: one of ``--gateways`` at random, else the
@@ -303,3 +274,45 @@ def _usage(usage: dict[str, Any]) -> tuple[int, int]:
     """Prompt and cached tokens of a usage block (``cached_tokens`` may be absent)."""
     details = usage.get("prompt_tokens_details") or {}
     return int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+
+
+def _request(turn: Turn, model: str) -> tuple[str, str, dict[str, Any]]:
+    """A turn as a streamed OpenAI request: its path, Locust's name for it, its body."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": turn.max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if turn.messages is not None:
+        body["messages"] = list(turn.messages)
+        return "/v1/chat/completions", "chat", body
+    body["prompt"] = turn.prompt_token_ids.tolist()
+    turn.forget_prompt()
+    return "/v1/completions", "completion", body
+
+
+class _Stream:
+    """What one SSE answer showed: when its tokens came, and its usage block."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.tokens = 0
+        self.usage: tuple[int, int] | None = None
+
+    def read(self, line: bytes) -> None:
+        if not line.startswith(b"data: {"):
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage") and not chunk.get("choices"):
+            self.usage = _usage(chunk["usage"])
+            return
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
+            return  # a role announcement, not a token
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+        self.tokens += 1
