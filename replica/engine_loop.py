@@ -62,6 +62,12 @@ class EngineLoop:
         self._wake.set()
         return self._outputs(request.request_id, queue)
 
+    def abort(self, request_id: str) -> None:
+        """Drop a queued request whose outputs nobody will read (a stream that was never
+        iterated cannot abort it when closed)."""
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+
     async def _outputs(
         self, request_id: str, queue: asyncio.Queue[RequestOutput]
     ) -> AsyncIterator[RequestOutput]:

@@ -6,8 +6,10 @@ a replica knows and does lives here, readable and testable without a web framewo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import xxhash
@@ -19,7 +21,7 @@ from replica.api.config import ReplicaConfig
 from replica.api.kv_events import KVEventPage
 from replica.api.model_tokenizer import load_tokenizer
 from replica.api.stats import CacheFigures, LoadReport, ReplicaStats
-from replica.engine import Engine, EngineConfig, EngineRequest
+from replica.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
 from replica.metrics import ReplicaMetrics
@@ -51,13 +53,10 @@ class Replica:
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
         requests = self._engine_requests(request_id, body, prompts)
-        streams = []
         try:
-            for request in requests:
-                streams.append(self.loop.submit(request))
+            streams = self._submit(requests, body.n)
         except ValueError as error:
             self.errors += 1
-            await ChoiceOutputs(streams).aclose()  # abort the choices already queued
             return JSONResponse(api.error_body(str(error), 400), status_code=400)
         self.requests += 1
         started = time.monotonic()
@@ -74,6 +73,38 @@ class Replica:
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
         pulled = await answer.first_outputs(outputs)
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
+
+    def _submit(self, requests: list[EngineRequest], n: int) -> list[AsyncIterator[RequestOutput]]:
+        """Queue each prompt's first choice now and its other ``n - 1`` once that one's
+        prefill is done, so they find the prompt's blocks cached and compute only its
+        last, partial block: one prefill per prompt, as vLLM's parallel sampling.
+
+        Raises ValueError, with nothing left queued, if a prompt can never fit.
+        """
+        streams: list[AsyncIterator[RequestOutput]] = []
+        queued: list[str] = []
+        try:
+            for first in range(0, len(requests), n):
+                stream = self.loop.submit(requests[first])
+                queued.append(requests[first].request_id)
+                if n == 1:
+                    streams.append(stream)
+                    continue
+                prefilled = asyncio.Event()
+                streams.append(_signal_first_output(stream, prefilled))
+                streams += [self._after(prefilled, r) for r in requests[first + 1 : first + n]]
+        except ValueError:
+            for request_id in queued:  # their streams never started: nobody else aborts them
+                self.loop.abort(request_id)
+            raise
+        return streams
+
+    async def _after(
+        self, prefilled: asyncio.Event, request: EngineRequest
+    ) -> AsyncIterator[RequestOutput]:
+        await prefilled.wait()
+        async for output in self.loop.submit(request):
+            yield output
 
     def _engine_requests(
         self,
@@ -178,6 +209,19 @@ class Replica:
             bytes_to_host=engine.bytes_to_host,
             bytes_to_gpu=engine.bytes_to_gpu,
         )
+
+
+async def _signal_first_output(
+    stream: AsyncIterator[RequestOutput], prefilled: asyncio.Event
+) -> AsyncIterator[RequestOutput]:
+    """``stream``, setting ``prefilled`` at its first output (its prompt is computed and
+    cached by then) or at its end, whatever ended it: the choices waiting on it go on."""
+    try:
+        async for output in stream:
+            prefilled.set()
+            yield output
+    finally:
+        prefilled.set()
 
 
 def _logprobs(body: api.CompletionRequest | api.ChatCompletionRequest) -> int | None:

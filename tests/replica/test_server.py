@@ -149,3 +149,39 @@ def test_invalid_json_is_a_400(replica):
         replica + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+
+
+def test_a_batch_refused_for_one_prompt_leaves_nothing_queued(replica):
+    body = {"prompt": ["a short one", "x" * 400_000], "max_tokens": 20_000, "ignore_eos": True}
+    response = post(replica, "/v1/completions", body)
+    assert response.status_code == 400 and "exceeds the KV cache" in response.text
+    stats = replica_stats(replica)
+    assert (stats.running, stats.waiting) == (0, 0), "the batch's first prompt is still queued"
+
+
+def test_n_choices_share_one_prefill_of_their_prompt(replica):
+    """As vLLM's parallel sampling: the prompt is computed once, and the other choices
+    find its full blocks cached (they compute only its last, partial block)."""
+    body = {"prompt": "fresh words for n " * 150, "max_tokens": 4, "n": 4, "ignore_eos": True}
+    before = replica_stats(replica).cache
+    answer = post(replica, "/v1/completions", body).json()
+    after = replica_stats(replica).cache
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    shared = (prompt_tokens - 1) // 16 * 16
+    assert len(answer["choices"]) == 4 and answer["usage"]["prompt_tokens_details"] is not None
+    assert after.query_tokens - before.query_tokens == 4 * prompt_tokens
+    assert after.hit_tokens - before.hit_tokens == 3 * shared
+
+
+def test_a_client_that_disconnects_aborts_every_choice(replica):
+    body = {"prompt": "abandoned " * 100, "max_tokens": 2000, "n": 3, "ignore_eos": True}
+    with httpx.stream(
+        "POST", replica + "/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as response:
+        next(response.iter_lines())
+    for _ in range(50):
+        if replica_stats(replica).running == 0:
+            break
+        httpx.get(replica + "/health")
+    stats = replica_stats(replica)
+    assert (stats.running, stats.waiting) == (0, 0)
