@@ -39,13 +39,14 @@ from deploy import processes
 from deploy.flags import config_flags
 from loadtest import sglang
 from loadtest.replay import ReplayConfig, replay
-from loadtest.report import ROW_KEYS, Row, percentile, replay_row, tier_figures
+from loadtest.report import ROW_KEYS, Row, replay_row, tier_figures
 from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig, Workload, load_workload
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.stats import ReplicaStats
+from router.latency import percentile
 from router.policies import POLICIES
 from router.stats import GatewayStats
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.replay import ReplayResult, RequestRecord
+from router.latency import percentile
 
 Row = dict[str, Any]
 
@@ -25,11 +26,6 @@ ROW_KEYS = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "throughput_rps", "imbalance",
     "prediction_accuracy",
 )  # fmt: skip
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile of ``values``; ``None`` for no values (never a made-up 0)."""
-    return float(np.percentile(values, q)) if len(values) else None
 
 
 def replay_row(result: ReplayResult, label: str | None = None) -> Row:

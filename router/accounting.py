@@ -17,7 +17,7 @@ from router import load
 from router.admission import AdmissionQueue
 from router.backends import Backend, BackendPool
 from router.config import GatewayConfig
-from router.latency import LatencyHistogram, quantile
+from router.latency import LatencyHistogram, percentile, quantile
 from router.policies import Policy, ReplicaState, RoutingRequest
 from router.stats import (
     BackendStats,
@@ -153,12 +153,8 @@ def _stream_stats(backend: Backend) -> KVStreamStats | None:
     state = backend.stream
     if state is None:
         return None
-    latencies = sorted(state.latencies)
-
-    def percentile(q: float) -> float | None:
-        return latencies[min(int(q * len(latencies)), len(latencies) - 1)] if latencies else None
-
+    latencies = list(state.latencies)
     return KVStreamStats(
         state.endpoint.endpoint, state.batches, state.gaps, state.replayed,
-        state.resyncs, state.stale, percentile(0.5), percentile(0.99),
+        state.resyncs, state.stale, percentile(latencies, 50), percentile(latencies, 99),
     )  # fmt: skip

@@ -11,10 +11,18 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+import numpy as np
+
 #: Seconds; vLLM's time-to-first-token buckets up to 10 s (the replica's, too).
 TTFT_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values``; ``None`` for no values (never a made-up 0).
+    The project's one helper for exact percentiles (histograms have :func:`quantile`)."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 class LatencyHistogram:
