@@ -27,6 +27,21 @@ class FakeClock:
         return self.now
 
 
+class Colliding:
+    """A block hasher whose identity is the block's index: every prompt collides with
+    every other (for tests that a collision costs a miss, never a wrong answer)."""
+
+    def __init__(self, block_size: int, seed: int) -> None:
+        self.block_size, self.count = block_size, 0
+
+    def extend_bytes(self, data: bytes) -> list[int]:
+        self.count += len(data) // 4
+        return list(range(self.count // self.block_size))
+
+    def hold(self, data: bytes) -> None:
+        self.count += len(data) // 4
+
+
 def prompt(length: int, start: int = 1) -> np.ndarray:
     """``length`` distinct token ids from ``start``: two prompts share exactly the
     tokens their ranges share (from 1: token 0 is the simulated model's EOS)."""

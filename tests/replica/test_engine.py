@@ -12,7 +12,7 @@ from replica.cost_model import PROFILES, BatchShape, get_profile
 from replica.engine import Engine, EngineConfig
 from replica.scheduler import SchedulerConfig
 from replica.sequence import EngineRequest
-from tests.shared import prompt
+from tests.shared import Colliding, prompt
 
 MakeEngine = Callable[..., Engine]
 
@@ -168,19 +168,6 @@ def test_the_engine_is_deterministic_for_a_seed(make_engine):
 
 
 def test_a_colliding_hash_function_costs_a_miss_not_a_wrong_answer(make_engine):
-    class Colliding:
-        """Identity = block index: every prompt collides with every other."""
-
-        def __init__(self, block_size: int, seed: int) -> None:
-            self.block_size, self.count = block_size, 0
-
-        def extend_bytes(self, data: bytes) -> list[int]:
-            self.count += len(data) // 4
-            return list(range(self.count // self.block_size))
-
-        def hold(self, data: bytes) -> None:
-            self.count += len(data) // 4
-
     engine = make_engine(hasher_factory=Colliding, num_blocks=128)
     first = run(engine, [EngineRequest("a", prompt(64, 1), 3)])
     second = run(engine, [EngineRequest("b", prompt(64, 500), 3)])

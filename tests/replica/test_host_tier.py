@@ -11,7 +11,7 @@ from loadtest.workloads import load_workload
 from replica.api.config import ReplicaConfig
 from replica.engine import Engine, EngineConfig, EngineRequest
 from tests.replica.test_engine import run
-from tests.shared import MOONCAKE_TRACE, prompt
+from tests.shared import MOONCAKE_TRACE, Colliding, prompt
 
 
 def engine_with(num_blocks: int, host_blocks: int, **config) -> Engine:
@@ -79,19 +79,6 @@ def test_tenants_never_hit_each_others_host_blocks():
 
 
 def test_a_hash_collision_on_the_host_costs_a_miss_not_a_wrong_answer():
-    class Colliding:
-        """Identity = block index: every prompt collides with every other."""
-
-        def __init__(self, block_size: int, seed: int) -> None:
-            self.block_size, self.count = block_size, 0
-
-        def extend_bytes(self, data: bytes) -> list[int]:
-            self.count += len(data) // 4
-            return list(range(self.count // self.block_size))
-
-        def hold(self, data: bytes) -> None:
-            self.count += len(data) // 4
-
     config = EngineConfig(num_blocks=blocks_for(1024), host_blocks=512)
     engine = Engine(config, hasher_factory=Colliding)
     reference = Engine(EngineConfig(num_blocks=4096))
