@@ -21,7 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
-from deploy.serving import Server, listening_socket, uvicorn_config
+from deploy.serving import listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
 from router.app import create_app
 from router.config import GatewayConfig
@@ -44,13 +44,8 @@ class GatewayServer:
         if self._url is None:
             host = self.host or ray.util.get_node_ip_address()
             self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
-            server = Server(uvicorn_config(self._app, host=host, port=self.port))
             sock = listening_socket(host, self.port, self.reuse_port)
-            self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-            while not server.started:
-                if self._task.done():
-                    self._task.result()
-                await asyncio.sleep(0.01)
+            _, self._task = await serve_in_loop(self._app, host, self.port, sock)
             self._url = f"http://{host}:{self.port}"
         return self._url
 

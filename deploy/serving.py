@@ -1,4 +1,5 @@
-"""Serving an ASGI app in the foreground, as every ``prefix-router`` server does."""
+"""Serving an ASGI app: in the foreground, as every ``prefix-router`` server does, or as
+a task of a running event loop (inside a Ray actor)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,19 @@ def serve_http(app: Any, host: str, port: int, reuse_port: bool = False) -> None
     sock = listening_socket(host, port, reuse_port)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal once stopped
         Server(uvicorn_config(app, host=host, port=port)).run(sockets=[sock])
+
+
+async def serve_in_loop(
+    app: Any, host: str, port: int, sock: socket.socket | None = None
+) -> tuple[Server, asyncio.Task[None]]:
+    """Serve an ASGI app as a task of the running event loop (a Ray actor's): return
+    once it listens, or raise what stopped it before. Stop it with ``server.stop()``,
+    then await the task."""
+    server = Server(uvicorn_config(app, host=host, port=port))
+    sockets = None if sock is None else [sock]
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=sockets))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped the server
+        await asyncio.sleep(0.01)
+    return server, task

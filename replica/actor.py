@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from deploy.serving import Server, uvicorn_config
+from deploy.serving import Server, serve_in_loop
 from replica.api.config import ReplicaConfig
 from replica.server import create_app
 
@@ -43,12 +43,7 @@ class ReplicaServer:
                 host = self.host or ray.util.get_node_ip_address()
                 port = free_port(host)
                 app = create_app(self.config, kv_events_host=host)
-                self._server = Server(uvicorn_config(app, host=host, port=port))
-                self._task = asyncio.get_running_loop().create_task(self._server.serve())
-                while not self._server.started:
-                    if self._task.done():
-                        self._task.result()  # raises what stopped the server
-                    await asyncio.sleep(0.01)
+                self._server, self._task = await serve_in_loop(app, host, port)
                 self._url = f"http://{host}:{port}"
             return self._url
 
