@@ -158,6 +158,8 @@ class Replica:
         if not self.engine.reset_cache():
             return False
         self.requests = self.errors = 0
+        if self.publisher is not None:  # idle: no engine step will push the ``cleared``
+            self.publisher.flush()
         return True
 
     def kv_events(self, since: int) -> KVEventPage:

@@ -301,3 +301,26 @@ def test_a_vllm_server_that_dies_is_found_by_its_health_probe_not_by_its_quiet_s
     finally:
         publisher.close(linger=0)
         context.term()
+
+
+@pytest.mark.slow
+def test_a_reset_reaches_the_followers_without_waiting_for_a_step(follower):
+    """An idle replica that is reset pushes its ``cleared`` at once: before, it went
+    out with the next engine step, and until then every gateway predicted hits there."""
+    with running(REPLICA) as (url,):
+        endpoint = replica_stats(url).kv_events
+        assert endpoint is not None
+        complete(url, 0)
+        follower.follow(endpoint)
+        wait_until(lambda: len(follower.held()[0]) == 6)
+        assert httpx.post(url + "/reset").status_code == 200
+        wait_until(
+            lambda: follower.held() == (set(), set()), "the reset never reached the follower"
+        )
+
+
+def wait_until(condition: Any, message: str = "", timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
