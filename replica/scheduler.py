@@ -9,6 +9,11 @@ longest cached prefix, while the budget, the blocks and the cap on running reque
 allow. A prefix cached on the GPU is pinned; where it ends, a run of blocks held by
 the host tier is loaded back (copied into new GPU blocks, registered at once) when the
 cost model says loading beats recomputing it.
+
+A block is registered in the cache when the step that fills it is scheduled, as vLLM
+V1 does, not once that step has run: a request admitted later in the same step then
+finds it, so requests that arrive together with the same new prefix (the ``n``
+choices of one prompt, a burst of users on a new system prompt) compute it once.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class Scheduler:
                 if victim is seq:
                     return chunks, preempted
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            self._register(seq, seq.num_computed_tokens + num_tokens)
             budget -= num_tokens
             index += 1
         return chunks, preempted
@@ -139,6 +145,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_computed, num_tokens, loaded_tokens))
+            self._register(seq, num_computed + num_tokens)
             budget -= num_tokens
         return chunks
 
@@ -230,10 +237,15 @@ class Scheduler:
         seq.num_cached_blocks = 0
 
     def commit(self, chunk: ScheduledChunk) -> None:
-        """Record that ``chunk`` was computed and cache the blocks it filled."""
+        """Record that ``chunk`` was computed. Its blocks were registered when it was
+        scheduled; a decode burst's, whose tokens are drawn as it runs, are now."""
         seq = chunk.seq
         seq.num_computed_tokens = chunk.num_computed + chunk.num_tokens
-        num_full = min(seq.num_computed_tokens // self.cache.block_size, len(seq.block_hashes))
+        self._register(seq, seq.num_computed_tokens)
+
+    def _register(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache the full blocks of ``seq``'s first ``num_tokens`` tokens not cached yet."""
+        num_full = min(num_tokens // self.cache.block_size, len(seq.block_hashes))
         if not seq.cacheable or seq.num_cached_blocks >= num_full:
             return
         done = self.cache.cache_blocks(

@@ -6,7 +6,6 @@ a replica knows and does lives here, readable and testable without a web framewo
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -54,7 +53,7 @@ class Replica:
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
         requests = self._engine_requests(request_id, body, prompts)
         try:
-            streams = self._submit(requests, body.n)
+            streams = self._submit(requests)
         except ValueError as error:
             self.errors += 1
             return JSONResponse(api.error_body(str(error), 400), status_code=400)
@@ -74,37 +73,21 @@ class Replica:
         pulled = await answer.first_outputs(outputs)
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
 
-    def _submit(self, requests: list[EngineRequest], n: int) -> list[AsyncIterator[RequestOutput]]:
-        """Queue each prompt's first choice now and its other ``n - 1`` once that one's
-        prefill is done, so they find the prompt's blocks cached and compute only its
-        last, partial block: one prefill per prompt, as vLLM's parallel sampling.
-
-        Raises ValueError, with nothing left queued, if a prompt can never fit.
-        """
+    def _submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue every choice of every prompt at once: the engine registers a prompt's
+        blocks as the step that computes them is scheduled, so the other choices of a
+        prompt, admitted in that step, find them cached (one prefill per prompt, as
+        vLLM's parallel sampling). Raises ValueError, with nothing left queued, if a
+        prompt can never fit."""
         streams: list[AsyncIterator[RequestOutput]] = []
-        queued: list[str] = []
         try:
-            for first in range(0, len(requests), n):
-                stream = self.loop.submit(requests[first])
-                queued.append(requests[first].request_id)
-                if n == 1:
-                    streams.append(stream)
-                    continue
-                prefilled = asyncio.Event()
-                streams.append(_signal_first_output(stream, prefilled))
-                streams += [self._after(prefilled, r) for r in requests[first + 1 : first + n]]
+            for request in requests:
+                streams.append(self.loop.submit(request))
         except ValueError:
-            for request_id in queued:  # their streams never started: nobody else aborts them
-                self.loop.abort(request_id)
+            for queued in requests[: len(streams)]:  # never iterated: closing would not abort
+                self.loop.abort(queued.request_id)
             raise
         return streams
-
-    async def _after(
-        self, prefilled: asyncio.Event, request: EngineRequest
-    ) -> AsyncIterator[RequestOutput]:
-        await prefilled.wait()
-        async for output in self.loop.submit(request):
-            yield output
 
     def _engine_requests(
         self,
@@ -211,19 +194,6 @@ class Replica:
             bytes_to_host=engine.bytes_to_host,
             bytes_to_gpu=engine.bytes_to_gpu,
         )
-
-
-async def _signal_first_output(
-    stream: AsyncIterator[RequestOutput], prefilled: asyncio.Event
-) -> AsyncIterator[RequestOutput]:
-    """``stream``, setting ``prefilled`` at its first output (its prompt is computed and
-    cached by then) or at its end, whatever ended it: the choices waiting on it go on."""
-    try:
-        async for output in stream:
-            prefilled.set()
-            yield output
-    finally:
-        prefilled.set()
 
 
 def _logprobs(body: api.CompletionRequest | api.ChatCompletionRequest) -> int | None:

@@ -75,6 +75,25 @@ def test_a_hit_saves_exactly_the_prefill_of_the_cached_tokens(make_engine):
     assert engine.prefill_tokens_computed - computed_before == 600 - 512
 
 
+def test_requests_admitted_together_with_one_new_prefix_compute_it_once(make_engine):
+    """As vLLM V1: a block is cached when the step that fills it is scheduled, so the
+    second request, admitted in the same step, finds the first's prompt blocks."""
+    engine = make_engine(num_blocks=1024)
+    shared = prompt(1000, 7)
+    result = run(engine, [EngineRequest("a", shared, 2), EngineRequest("b", shared.copy(), 2)])
+    assert (result["a"]["cached"], result["b"]["cached"]) == (0, 992)
+    assert engine.prefill_tokens_computed == 1000 + 8
+    assert result["a"]["ttft"] == result["b"]["ttft"]  # one step computed both
+
+
+def test_a_prompt_longer_than_a_step_is_shared_chunk_by_chunk(make_engine):
+    engine = make_engine(num_blocks=1024, max_num_batched_tokens=512)
+    shared = prompt(1500, 3)
+    result = run(engine, [EngineRequest("a", shared, 1), EngineRequest("b", shared.copy(), 1)])
+    assert result["b"]["cached"] == 1488  # admitted beside a's last chunk: every full block
+    assert engine.prefill_tokens_computed == 1500 + 12
+
+
 def test_at_least_one_prompt_token_is_always_computed(make_engine):
     engine = make_engine(num_blocks=64)
     run(engine, [EngineRequest("a", prompt(64), 1)])
