@@ -72,36 +72,35 @@ function renderFleet(view) {
   $("#no-backends").hidden = view.backends > 0;
 }
 
-function renderReplicas(view) {
-  const body = $("#replicas tbody");
-  body.replaceChildren();
-  for (const r of view.replicas) {
+// One row per item, keyed (data-KEY) so the browser test can find it.
+function fillTable(selector, key, items, cellsOf) {
+  $(selector + " tbody").replaceChildren(...items.map(([id, item]) => {
     const row = document.createElement("tr");
-    row.dataset.replica = r.replica_id;
-    row.append(
-      cell("replica_id", r.replica_id, r.replica_id + (r.healthy ? "" : " (down)"), r.healthy ? "" : "down"),
-      bar(r.gpu_cached_blocks, r.gpu_blocks, "gpu"),
-      bar(r.host_cached_blocks, r.host_blocks, "host"),
-      cell("window_hit_rate", r.rates.token_hit_rate, pct(r.rates.token_hit_rate)),
-      cell("decisions_per_s", r.rates.decisions_per_s, rate(r.rates.decisions_per_s)),
-      cell("outstanding_requests", r.outstanding_requests, int(r.outstanding_requests)),
-      cell("outstanding_prefill_tokens", r.outstanding_prefill_tokens, int(r.outstanding_prefill_tokens)),
-      cell("dispatched", r.dispatched, int(r.dispatched)),
-      cell("index_keys", r.index_keys, int(r.index_keys)),
-    );
-    body.appendChild(row);
-  }
+    row.dataset[key] = id;
+    row.append(...cellsOf(item, id));
+    return row;
+  }));
+}
+
+function renderReplicas(view) {
+  fillTable("#replicas", "replica", view.replicas.map((r) => [r.replica_id, r]), (r) => [
+    cell("replica_id", r.replica_id, r.replica_id + (r.healthy ? "" : " (down)"), r.healthy ? "" : "down"),
+    bar(r.gpu_cached_blocks, r.gpu_blocks, "gpu"),
+    bar(r.host_cached_blocks, r.host_blocks, "host"),
+    cell("window_hit_rate", r.rates.token_hit_rate, pct(r.rates.token_hit_rate)),
+    cell("decisions_per_s", r.rates.decisions_per_s, rate(r.rates.decisions_per_s)),
+    cell("outstanding_requests", r.outstanding_requests, int(r.outstanding_requests)),
+    cell("outstanding_prefill_tokens", r.outstanding_prefill_tokens, int(r.outstanding_prefill_tokens)),
+    cell("dispatched", r.dispatched, int(r.dispatched)),
+    cell("index_keys", r.index_keys, int(r.index_keys)),
+  ]);
 }
 
 function renderPolicies(view) {
-  const body = $("#policies tbody");
-  body.replaceChildren();
-  for (const [name, p] of Object.entries(view.policies)) {
-    const row = document.createElement("tr");
-    row.dataset.policy = name;
+  fillTable("#policies", "policy", Object.entries(view.policies), (p, name) => {
     const label = cell("policy", name, name);
     label.style.borderLeft = `4px solid ${colorOf(name)}`;
-    row.append(
+    return [
       label,
       cell("requests", p.requests, int(p.requests)),
       cell("errors", p.errors, int(p.errors)),
@@ -110,29 +109,23 @@ function renderPolicies(view) {
       cell("ttft_p90_s", p.ttft_p90_s, ms(p.ttft_p90_s)),
       cell("prediction_accuracy", p.prediction_accuracy,
         p.predictions ? `${pct(p.prediction_accuracy)} of ${int(p.predictions)}` : dash),
-    );
-    body.appendChild(row);
-  }
+    ];
+  });
 }
 
 function renderHot(view) {
-  const body = $("#hot tbody");
-  body.replaceChildren();
-  for (const h of view.hot_prefixes) {
-    const row = document.createElement("tr");
-    row.dataset.prefix = h.hash;
+  fillTable("#hot", "prefix", view.hot_prefixes.map((h) => [h.hash, h]), (h) => {
     const holders = h.holders == null
       ? "unknown: this policy keeps no prefix index"
       : h.holders.map((x) => `${x.replica_id} ${int(x.gpu_tokens)} · ${int(x.host_tokens)}`).join(", ") || "nobody";
-    row.append(
+    return [
       cell("hash", h.hash, h.hash),
       cell("requests", h.requests, int(h.requests)),
       cell("prompt_tokens", h.prompt_tokens, int(h.prompt_tokens)),
       cell("holders", h.holders == null ? "" : h.holders.map((x) => x.replica_id).join(","), holders),
       cell("text", h.text, h.text == null ? "" : h.text, "text"),
-    );
-    body.appendChild(row);
-  }
+    ];
+  });
   for (const el of document.querySelectorAll(".text-col")) el.hidden = !view.text_shown;
   for (const el of document.querySelectorAll("td.text")) el.hidden = !view.text_shown;
 }
