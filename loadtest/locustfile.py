@@ -96,11 +96,10 @@ class Sessions:
 
 
 class Tally:
-    """Client-side figures: requests, prompt and cached tokens from the usage blocks,
-    and in open loop when each session started against when it was due."""
+    """Client-side figures: every answer's usage block and latency, and in open loop
+    when each session started against when it was due."""
 
     def __init__(self) -> None:
-        self.requests = self.prompt_tokens = self.cached_tokens = 0
         self.session_starts: list[tuple[float, float]] = []  # (due, started), seconds
         self.ttft_s: list[float] = []
         self.e2e_s: list[float] = []
@@ -108,12 +107,6 @@ class Tally:
         #: the bench's charts over time.
         self.answers: list[tuple[float, float, int, int]] = []
         self._lock = threading.Lock()
-
-    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
-        with self._lock:
-            self.requests += 1
-            self.prompt_tokens += prompt_tokens
-            self.cached_tokens += cached_tokens
 
     def add_latency(self, ttft_s: float, e2e_s: float) -> None:
         with self._lock:
@@ -127,12 +120,14 @@ class Tally:
             self.answers.append((sent, ttft_s, prompt_tokens, cached_tokens))
 
     def as_dict(self) -> dict[str, Any]:
-        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        prompt_tokens = sum(prompt for *_, prompt, _ in self.answers)
+        cached_tokens = sum(cached for *_, cached in self.answers)
+        rate = cached_tokens / prompt_tokens if prompt_tokens else None
         late = sum(started - due > 0.1 for due, started in self.session_starts)
         return {
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
+            "requests": len(self.answers),  # those whose usage came back
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
             "client_token_hit_rate": rate,
             "session_starts": self.session_starts,
             "late_session_starts": late,  # open loop with too few users to keep pace
@@ -246,7 +241,6 @@ class ChatSessionUser(HttpUser):
         first = stream.first - start
         TALLY.add_latency(first, end - start)
         if stream.usage is not None:
-            TALLY.add(*stream.usage)
             HITS.add(self.environment, name, *stream.usage)
             TALLY.add_answer(sent, first, *stream.usage)
         self._report("TTFT", name, first * 1000)

@@ -134,10 +134,13 @@ async def _replica_stats(
 
 
 def take_sample(
-    stats: GatewayStats, gateway: Gateway, replicas: Mapping[str, ReplicaStats | None], ts: float
+    stats: GatewayStats,
+    gateway: Gateway,
+    replicas: Mapping[str, ReplicaStats | None],
+    ts: float,
+    predicted: Mapping[str, PolicyCounts],
 ) -> Sample:
     """The counters that rates and charts are differences of."""
-    predicted = _predictions(stats)
     policies = {}
     for name, counts in gateway.accounting.policies.items():
         guesses = predicted.get(name, PolicyCounts())  # zeros once its backends are gone
@@ -169,7 +172,8 @@ def build(
 ) -> DashboardView:
     """The figures of one refresh (and a history sample, if one is due)."""
     stats = gateway.stats()
-    now = take_sample(stats, gateway, replicas, ts)
+    predicted = _predictions(stats)
+    now = take_sample(stats, gateway, replicas, ts, predicted)
     starts = {name: history.window_start(now, name) for name in now.replicas}
     history.add(now)
     return DashboardView(
@@ -185,7 +189,7 @@ def build(
             _replica_view(gateway, b, replicas.get(b.replica_id), now, starts[b.replica_id])
             for b in stats.backends
         ],
-        policies=_policy_views(stats),
+        policies=_policy_views(stats, predicted),
         hot_prefixes=_hot_prefixes(gateway, hot_shown, show_text),
         series=history.points(since),
         text_shown=show_text,
@@ -229,8 +233,9 @@ def _predictions(stats: GatewayStats) -> dict[str, PolicyCounts]:
     return totals
 
 
-def _policy_views(stats: GatewayStats) -> dict[str, PolicyView]:
-    predicted = _predictions(stats)
+def _policy_views(
+    stats: GatewayStats, predicted: Mapping[str, PolicyCounts]
+) -> dict[str, PolicyView]:
     views = {}
     for name, policy in stats.policies.items():
         counts = predicted.get(name, PolicyCounts())
