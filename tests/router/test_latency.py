@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.latency import LatencyHistogram, difference, quantile
+from router.latency import LatencyHistogram, difference, percentile, quantile
 
 
 def test_observations_fall_in_their_bucket_and_quantiles_interpolate():
@@ -23,3 +23,9 @@ def test_a_window_is_the_difference_of_two_snapshots():
     window = difference(histogram.snapshot(), before)
     assert window == [0, 1, 0]
     assert quantile(histogram.bounds, window, 0.5) == pytest.approx(0.15)
+
+
+def test_exact_percentiles_interpolate_and_say_none_for_no_values():
+    assert percentile([0.3, 0.1, 0.2], 50) == pytest.approx(0.2)
+    assert percentile([0.1, 0.2], 99) == pytest.approx(0.199)
+    assert percentile([], 50) is None  # never a made-up 0
