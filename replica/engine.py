@@ -333,7 +333,7 @@ class Engine:
         """Apply a burst: ``len(tokens)`` decode iterations of ``seq``."""
         computed = seq.num_computed_tokens
         seq.append_tokens(tokens)
-        self.scheduler.commit(ScheduledChunk(seq, computed, len(tokens)))
+        self.scheduler.commit_burst(seq, computed, len(tokens))
         return self._output(seq, tokens)
 
     def _sample(self, seq: Sequence) -> int:

@@ -237,10 +237,14 @@ class Scheduler:
         seq.num_cached_blocks = 0
 
     def commit(self, chunk: ScheduledChunk) -> None:
-        """Record that ``chunk`` was computed. Its blocks were registered when it was
-        scheduled; a decode burst's, whose tokens are drawn as it runs, are now."""
-        seq = chunk.seq
-        seq.num_computed_tokens = chunk.num_computed + chunk.num_tokens
+        """Record that ``chunk`` was computed (its blocks were registered when it was
+        scheduled)."""
+        chunk.seq.num_computed_tokens = chunk.num_computed + chunk.num_tokens
+
+    def commit_burst(self, seq: Sequence, num_computed: int, num_tokens: int) -> None:
+        """Record ``num_tokens`` decode iterations of ``seq`` run as one burst, and
+        register the blocks they filled (their tokens were drawn as the burst ran)."""
+        self.commit(ScheduledChunk(seq, num_computed, num_tokens))
         self._register(seq, seq.num_computed_tokens)
 
     def _register(self, seq: Sequence, num_tokens: int) -> None:
