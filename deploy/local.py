@@ -16,7 +16,7 @@ import ray
 
 from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
-from deploy.serving import serve_http
+from deploy.serving import listening_socket, serve_http
 from replica.actor import ReplicaActor
 from replica.api.config import ReplicaConfig
 from router.app import create_app
@@ -49,6 +49,8 @@ def serve(
     """Run until interrupted; everything started here is stopped on the way out."""
     if replicas < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
+    # The port first: a busy one fails at once, and Ray's processes cannot take it.
+    sock = listening_socket(host, port) if gateways == 1 else None
     start_local_ray()
     actors = []
     try:
@@ -60,7 +62,9 @@ def serve(
         print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
         if gateways == 1:
             print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
-            serve_http(create_app(gateway, ray_replica_prefix=REPLICA_PREFIX), host, port)
+            serve_http(
+                create_app(gateway, ray_replica_prefix=REPLICA_PREFIX), host, port, sock=sock
+            )
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
         fronts, gateway_actors = start_gateways(gateway, host, ports, backends=replicas)
@@ -72,6 +76,8 @@ def serve(
         for actor in actors:
             ray.kill(actor, no_restart=True)
         ray.shutdown()
+        if sock is not None:
+            sock.close()
 
 
 def _wait_for_a_signal() -> None:

@@ -84,9 +84,12 @@ def uvicorn_config(app: Any, **options: Any) -> Any:
     )
 
 
-def serve_http(app: Any, host: str, port: int, reuse_port: bool = False) -> None:
-    """Serve an ASGI app in the foreground until interrupted."""
-    sock = listening_socket(host, port, reuse_port)
+def serve_http(
+    app: Any, host: str, port: int, reuse_port: bool = False, sock: socket.socket | None = None
+) -> None:
+    """Serve an ASGI app in the foreground until interrupted (on ``sock`` if it is bound
+    already, so the port was held while other things started)."""
+    sock = sock or listening_socket(host, port, reuse_port)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal once stopped
         Server(uvicorn_config(app, host=host, port=port)).run(sockets=[sock])
 
