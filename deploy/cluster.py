@@ -1,26 +1,30 @@
 """Deployment onto a cluster started with ``ray start``: ``up``, ``status``, ``down``.
 
-``up`` places detached, named replica actors (``replica-0`` ...) in a namespace,
-spread over the nodes (Ray's SPREAD strategy), and detached gateway actors
-(``gateway-0`` ...), one per node from the head node on, then returns: they outlive
-this command. Run again with other ``--replicas`` or ``--gateways``, it adds or
+``up`` places detached, named replica actors (``replica-0`` ...) in a namespace:
+simulated engines spread over the nodes (Ray's SPREAD strategy); vLLM servers one per
+GPU where the cluster has GPUs, else one per node (a CPU server takes every core of its
+node). Then detached gateway actors (``gateway-0`` ...), one per node from the head node
+on, configured from what the first replica says of itself; then it returns: they
+outlive this command. Run again with other ``--replicas`` or ``--gateways``, it adds or
 removes actors from the end and keeps the others (and the replicas' caches). The
 gateways follow the replica actors by name, so they see every change.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Collection
+from typing import Any, cast
 
 import httpx
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX, numbered
-from replica.actor import ReplicaActor
-from replica.api import stats as stats_codec
-from replica.api.config import ReplicaConfig
-from replica.api.stats import ReplicaStats
+from deploy.replicas import EngineSpec, ready_cards, replica_actor
+from replica.api.card import EngineCard
+from replica.api.figures import read_figures
+from replica.vllm_server import VLLMConfig
 from router.config import GatewayConfig
 
 HEAD_RESOURCE = "node:__internal_head__"
@@ -82,13 +86,15 @@ def nodes_head_first() -> list[str]:
 
 def up(
     replicas: int,
-    replica: ReplicaConfig,
+    engine: EngineSpec,
     gateway: GatewayConfig,
     host: str | None = None,
     port: int = 8000,
     gateways: int = 1,
+    keep: Collection[str] = (),
 ) -> tuple[list[str], list[str]]:
-    """Scale to ``replicas`` replica actors and ``gateways`` gateways, one per node.
+    """Scale to ``replicas`` replica actors and ``gateways`` gateways, one per node; the
+    gateways' fields named in ``keep`` (the user's flags) are not taken from the engine.
 
     Returns the gateways' URLs and the replicas'. Requires :func:`connect`.
     """
@@ -103,43 +109,70 @@ def up(
     for name in replica_names():
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
+    actor = replica_actor(engine)
     handles = [
-        ReplicaActor.options(
-            name=name,
-            lifetime="detached",
-            get_if_exists=True,
-            # SPREAD balances what actors hold: a token CPU share makes it count them
-            # (with none it places them at random), and a restart may go to any node.
-            num_cpus=REPLICA_CPUS,
-            scheduling_strategy="SPREAD",
-        ).remote(replica, host)
-        for name in wanted
-    ]
-    urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
+        actor.options(
+            name=name, lifetime="detached", get_if_exists=True,
+            **placement(engine, index, replicas, nodes),
+        ).remote(engine, host)
+        for index, name in enumerate(wanted)
+    ]  # fmt: skip
+    cards = ready_cards(handles, timeout_s=getattr(engine, "startup_timeout_s", 120.0))
     fronts, _ = start_gateways(
-        gateway, host, [port] * gateways, nodes[:gateways], detached=True, backends=replicas
-    )
-    return fronts, urls
+        gateway.configured_by(cards[0], keep), host, [port] * gateways, nodes[:gateways],
+        detached=True, backends=replicas,
+    )  # fmt: skip
+    return fronts, [card.url for card in cards]
+
+
+def placement(engine: EngineSpec, index: int, replicas: int, nodes: list[str]) -> dict[str, Any]:
+    """Where replica ``index`` goes. Simulated engines: SPREAD, which balances what
+    actors hold (a token CPU share makes it count them; with none it places them at
+    random), and a restart may go to any node. vLLM: a GPU each where there are GPUs,
+    else a node each (preferred, so that a restart after the node's loss goes elsewhere)."""
+    if not isinstance(engine, VLLMConfig):
+        return {"num_cpus": REPLICA_CPUS, "scheduling_strategy": "SPREAD"}
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus:
+        if replicas > gpus:
+            raise ValueError(f"--replicas {replicas}: one vLLM replica per GPU, and the "
+                             f"cluster has {gpus}")  # fmt: skip
+        return {"num_cpus": REPLICA_CPUS, "num_gpus": 1, "scheduling_strategy": "SPREAD"}
+    if replicas > len(nodes):
+        raise ValueError(f"--replicas {replicas}: without GPUs, one vLLM replica per node "
+                         f"(it takes every core), and the cluster has {len(nodes)}")  # fmt: skip
+    affinity = NodeAffinitySchedulingStrategy(nodes[index], soft=True)
+    return {"num_cpus": REPLICA_CPUS, "scheduling_strategy": affinity}
 
 
 def status(timeout_s: float = 10.0) -> tuple[list[ActorStatus], list[ActorStatus]]:
-    """Every gateway's state and every replica's."""
+    """Every gateway's state and every replica's, with how the first gateway routes it."""
+    gateways = gateway_status(timeout_s)
+    modes = gateways[0].backends if gateways else {}
     rows: list[ActorStatus] = []
     for name in replica_names():
         handle = ray.get_actor(name)
-        refs = [handle.url.remote(), handle.node_id.remote()]
-        url, node = cast(list[str], ray.get(refs, timeout=timeout_s))
-        rows.append(_probe(name, node, url, timeout_s))
-    return gateway_status(timeout_s), rows
+        try:
+            card = cast(EngineCard, ray.get(handle.card.remote(), timeout=timeout_s))
+            node = cast(str, ray.get(handle.node_id.remote(), timeout=timeout_s))
+        except (ray.exceptions.RayError, TimeoutError):
+            rows.append(ActorStatus(name, "?", "?", False, None, None))
+            continue
+        rows.append(_probe(name, node, card, timeout_s, modes.get(name)))
+    return gateways, rows
 
 
-def _probe(name: str, node: str, url: str, timeout_s: float) -> ActorStatus:
+def _probe(
+    name: str, node: str, card: EngineCard, timeout_s: float, routing: str | None
+) -> ActorStatus:
+    """A replica's health and figures: ours from their ``/stats``, vLLM from ``/metrics``."""
     try:
-        answer = httpx.get(f"{url}/stats", timeout=timeout_s)
-        stats = stats_codec.decode(ReplicaStats, answer.content)
+        with httpx.Client(timeout=timeout_s) as client:
+            figures = read_figures(client, card.url)
     except (httpx.HTTPError, ValueError):
-        return ActorStatus(name, node, url, False, None, None)
-    return ActorStatus(name, node, url, True, stats.requests, stats.cache.token_hit_rate)
+        return ActorStatus(name, node, card.url, False, None, None, routing)
+    return ActorStatus(name, node, card.url, True, figures.requests, figures.token_hit_rate,
+                       routing)  # fmt: skip
 
 
 def down() -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import ray
@@ -25,7 +25,7 @@ from deploy.serving import listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
 from router.app import create_app
 from router.config import GatewayConfig
-from router.stats import GatewayStats
+from router.stats import BackendStats, GatewayStats
 
 
 class GatewayServer:
@@ -117,6 +117,10 @@ class ActorStatus:
     healthy: bool
     requests: int | None
     token_hit_rate: float | None
+    #: A replica: how the first gateway routes it (``precise``, ``approximate: why``).
+    routing: str | None = None
+    #: A gateway: that, for each replica it routes, by name.
+    backends: dict[str, str] = field(default_factory=dict)
 
 
 def gateway_status(timeout_s: float = 10.0) -> list[ActorStatus]:
@@ -131,6 +135,17 @@ def gateway_status(timeout_s: float = 10.0) -> list[ActorStatus]:
         except (ray.exceptions.RayError, TimeoutError):
             rows.append(ActorStatus(name, "?", "?", False, None, None))
             continue
-        totals = stats_codec.decode(GatewayStats, raw).totals
-        rows.append(ActorStatus(name, node, url, True, totals.requests, totals.token_hit_rate))
+        stats = stats_codec.decode(GatewayStats, raw)
+        routes = {b.replica_id: routing_text(b) for b in stats.backends}
+        totals = stats.totals
+        rows.append(
+            ActorStatus(name, node, url, True, totals.requests, totals.token_hit_rate, None, routes)
+        )
     return rows
+
+
+def routing_text(backend: BackendStats) -> str:
+    """How a gateway routes a backend, in a few words (and why, when approximately)."""
+    if backend.routing_mode == "approximate":
+        return f"approximate: {backend.approximate_reason}"
+    return backend.routing_mode

@@ -1,9 +1,11 @@
 """``prefix-router serve``: the embedded default deployment, in the foreground.
 
-Starts a local Ray instance (bound to 127.0.0.1), N replica actors and the gateway:
-one in this process, or several as Ray actors (``deploy/gateways.py``) sharing the
-port or on consecutive ports. Ctrl-C (or SIGTERM) stops the gateways, the actors and
-Ray, in that order.
+Starts a local Ray instance (bound to 127.0.0.1), N replica actors (simulated engines,
+or vLLM servers: ``deploy/replicas.py``) and, once they serve, the gateway, configured
+from what the first replica says of itself (model, tokenizer, block size), except
+where the user said otherwise: one gateway in this process, or several as Ray actors
+(``deploy/gateways.py``) sharing the port or on consecutive ports. Ctrl-C (or SIGTERM)
+stops the gateways, the replicas (a vLLM server with its files) and Ray, in that order.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Collection
+from typing import Any
 
 import ray
 
 from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
+from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
 from deploy.serving import listening_socket, serve_http
-from replica.actor import ReplicaActor
-from replica.api.config import ReplicaConfig
+from replica.api.card import EngineCard
 from router.app import create_app
 from router.config import GatewayConfig
 
@@ -39,27 +43,33 @@ def start_local_ray(num_cpus: int | None = None) -> None:
 
 def serve(
     replicas: int,
-    replica: ReplicaConfig,
+    engine: EngineSpec,
     gateway: GatewayConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
     gateways: int = 1,
     separate_ports: bool = False,
+    keep: Collection[str] = (),
 ) -> None:
-    """Run until interrupted; everything started here is stopped on the way out."""
+    """Run until interrupted; everything started here is stopped on the way out. The
+    gateway's fields named in ``keep`` (the user's flags) are not taken from the engine."""
     if replicas < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
     # The port first: a busy one fails at once, and Ray's processes cannot take it.
     sock = listening_socket(host, port) if gateways == 1 else None
     start_local_ray()
-    actors = []
+    handles: list[Any] = []
+    gateway_actors: list[Any] = []
     try:
-        actors = [
-            ReplicaActor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(replica, host)
+        actor = replica_actor(engine)
+        handles = [
+            actor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(engine, host)
             for i in range(replicas)
         ]
-        urls = ray.get([actor.url.remote() for actor in actors])
-        print(f"{replicas} replicas: {', '.join(urls)}", flush=True)
+        cards = ready_cards(handles)
+        print(f"{replicas} replicas: {', '.join(c.url for c in cards)} ({describe(cards[0])})",
+              flush=True)  # fmt: skip
+        gateway = gateway.configured_by(cards[0], keep)
         if gateways == 1:
             print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
             serve_http(
@@ -68,16 +78,22 @@ def serve(
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
         fronts, gateway_actors = start_gateways(gateway, host, ports, backends=replicas)
-        actors += gateway_actors  # held until the end: an actor lives as long as its handle
         for url in fronts:
             print(f"gateway: {url}/v1 (policy {gateway.policy})", flush=True)
         _wait_for_a_signal()
     finally:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        for handle in gateway_actors:  # held until now: an actor lives as long as its handle
+            ray.kill(handle, no_restart=True)
+        stop_replicas(handles)
         ray.shutdown()
         if sock is not None:
             sock.close()
+
+
+def describe(card: EngineCard) -> str:
+    """One replica's engine in a few words, for the start-up lines."""
+    blocks = f"{card.num_blocks} blocks" if card.num_blocks else "its blocks"
+    return f"{card.engine} engine serving {card.model}, {blocks} of {card.block_size} tokens"
 
 
 def _wait_for_a_signal() -> None:

@@ -331,7 +331,7 @@ class Simulation:
                 record.finish_s = self.now
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
-                load.completed(policy, routing, replica)
+                load.completed(policy, routing, replica, output.num_cached_tokens)
                 self._finish(session_index, turn_index)
         self._forward_kv_events(index)
         if len(self.routers) > 1:  # a replica publishes its load on change

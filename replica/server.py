@@ -1,11 +1,11 @@
 """One engine replica over HTTP: the OpenAI API, Prometheus metrics and KV events.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as
-SSE or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM's metric
-names), ``GET /kv_events?since=SEQ``, ``POST /reset``, ``GET /stats``, and the
-``/get_model_info``, ``/get_server_info`` and ``/get_load`` probes of SGLang's router.
-Each handler translates HTTP into a call of the app's :class:`~replica.service.Replica`
-(``request.app.state.replica``).
+SSE or not), ``POST /tokenize`` (vLLM's), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (vLLM's metric names), ``GET /kv_events?since=SEQ``, ``POST /reset``,
+``GET /stats``, and the ``/get_model_info``, ``/get_server_info`` and ``/get_load``
+probes of SGLang's router. Each handler translates HTTP into a call of the app's
+:class:`~replica.service.Replica` (``request.app.state.replica``).
 """
 
 from __future__ import annotations
@@ -74,6 +74,16 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request) ->
     replica = _replica(request)
     prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages())
     return await replica.answer(body, [prompt])
+
+
+@routes.post("/tokenize")
+async def tokenize(body: api.TokenizeRequest, request: Request) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: the token ids this replica computes for a prompt or a
+    conversation (a gateway checks its own tokenizer against them)."""
+    replica = _replica(request)
+    tokens = body.token_ids(replica.engine.tokenizer).tolist()
+    max_len = replica.engine.config.capacity_tokens
+    return {"count": len(tokens), "max_model_len": max_len, "tokens": tokens, "token_strs": None}
 
 
 @routes.get("/v1/models")

@@ -43,10 +43,17 @@ class RequestCounts:
 
 class Accounting:
     """The gateway's counters. ``tolerance_tokens``: a prediction within this many
-    cached tokens of the replica's figure counts as close (one router stride)."""
+    cached tokens of the replica's figure counts as close (one router stride);
+    ``block_tokens``: the fleet's KV block."""
 
-    def __init__(self, tolerance_tokens: int, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        tolerance_tokens: int,
+        wall_clock: Callable[[], float] = time.time,
+        block_tokens: int = 16,
+    ) -> None:
         self.tolerance_tokens = tolerance_tokens
+        self.block_tokens = block_tokens
         self._wall_clock = wall_clock  # dispatch times, compared with replicas' reports
         #: replica id -> policy name -> counts.
         self.by_backend: defaultdict[str, defaultdict[str, PolicyCounts]] = defaultdict(
@@ -81,7 +88,7 @@ class Accounting:
         failed: bool,
     ) -> None:
         """The request ended (``cached``: the tokens the replica reported, if it did)."""
-        load.completed(policy, request, replica)
+        load.completed(policy, request, replica, cached)
         if failed:
             self.upstream_errors[replica.replica_id] += 1
         self._count(self.totals, request.num_prompt_tokens, cached, failed)
@@ -90,11 +97,9 @@ class Accounting:
             self._count(self.tenants[request.tenant], request.num_prompt_tokens, cached, failed)
         if cached is not None and request.predicted_cached_tokens is not None:
             counts = self.by_backend[replica.replica_id][policy.name]
-            counts.predictions += 1
-            counts.predicted_cached_tokens += request.predicted_cached_tokens
-            counts.actual_cached_tokens += cached
-            if abs(request.predicted_cached_tokens - cached) < self.tolerance_tokens:
-                counts.close_predictions += 1
+            counts.predicted(
+                request.predicted_cached_tokens, cached, self.block_tokens, self.tolerance_tokens
+            )
 
     @staticmethod
     def _count(counts: RequestCounts, prompt: int, cached: int | None, failed: bool) -> None:
@@ -146,6 +151,13 @@ class Accounting:
             kv_stream=_stream_stats(backend),
             load_requests=state.load_requests,
             load_prefill_tokens=state.load_prefill_tokens,
+            routing_mode=backend.routing_mode,
+            approximate_reason=backend.approximate_reason,
+            unchecked=list(backend.unchecked),
+            unkeyed_blocks=backend.unkeyed_blocks,
+            engine=backend.card.engine if backend.card else None,
+            model=backend.card.model if backend.card else None,
+            block_size=backend.card.block_size if backend.card else None,
         )
 
 

@@ -3,9 +3,12 @@
 A backend is any OpenAI-compatible server (ours, vLLM, SGLang) known by URL. The
 pool keeps one :class:`~router.policies.ReplicaState` per backend for the policy,
 one pooled ``aiohttp.ClientSession`` for all traffic, and a task per backend that
-follows its KV events: pushed on ZMQ in vLLM's format when the backend publishes
-them (ours say where in ``/stats``; a vLLM server's endpoint is given when it is
-added), else polled at ``/kv_events``, else none (only ``/health`` is probed).
+learns what the backend is (its :class:`~replica.api.card.EngineCard`: given by its
+Ray actor, else read from our ``/stats`` or vLLM's ``/metrics``), follows its KV
+events (pushed on ZMQ in vLLM's format: where, its card says, or the flag that added
+it; else polled at ``/kv_events``; else none, and only ``/health`` is probed), and
+checks that the backend caches as the router hashes (``router/backend_check.py``):
+until the check fails, its events are trusted; after, it is routed approximately.
 Backends can be added and removed while the gateway serves.
 """
 
@@ -16,16 +19,23 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
 from replica.api import stats as stats_codec
+from replica.api.card import EngineCard, sim_card, vllm_card
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from replica.api.stats import KVEventsEndpoint, ReplicaStats
 from router import load
+from router.backend_check import BackendCheck, CanaryWatch, Verdict
 from router.kv_subscriber import KVStreams, StreamState
 from router.policies import ReplicaState
+
+#: How the router knows a backend's cache: from its events once they are checked
+#: (``checking`` trusts them meanwhile), or from its own decisions (``approximate``).
+RoutingMode = Literal["checking", "precise", "approximate"]
+NOT_CHECKED = ("every check (--no-check-backends)",)
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +72,41 @@ class Backend:
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
+    #: What it says of itself, once known.
+    card: EngineCard | None = None
+    routing_mode: RoutingMode = "checking"
+    #: Why it is routed approximately (what differs, and the flag that fixes it).
+    approximate_reason: str | None = None
+    #: Checks that could not be made when it joined, and why.
+    unchecked: tuple[str, ...] = ()
+    #: Stored blocks of its events the policy could not key.
+    unkeyed_blocks: int = 0
+    #: While its join check runs: what its events key to.
+    canary: CanaryWatch | None = field(default=None, repr=False)
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
+    _checker: asyncio.Task[None] | None = field(default=None, repr=False)
     _probe_now: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
 
 class BackendPool:
-    """Backends by URL. ``on_events`` receives each backend's new KV events."""
+    """Backends by URL. ``on_events`` receives each backend's new KV events and returns
+    how many stored blocks it could not key; ``check`` (if any) checks each joining
+    backend."""
 
     def __init__(
         self,
         client: aiohttp.ClientSession,
-        on_events: Callable[[ReplicaState, list[KVEvent]], None],
+        on_events: Callable[[ReplicaState, list[KVEvent]], int],
         on_added: Callable[[ReplicaState], None],
         on_removed: Callable[[ReplicaState], None],
         poll_interval_s: float = 0.05,
         default_capacity_blocks: int = 4096,
         health_interval_s: float = 0.5,
         failure_threshold: int = 2,
+        check: BackendCheck | None = None,
     ) -> None:
         self.client = client
+        self.check = check
         self._on_events = on_events
         self._on_added = on_added
         self._on_removed = on_removed
@@ -116,6 +142,12 @@ class BackendPool:
             self._streams.relearn(backend)  # learn its cache again from the replay buffer
         self._on_added(backend.state)
         log.warning("backend %s is healthy again", backend.url)
+        self._start_check(backend)  # it may have come back as another engine
+
+    def _events(self, backend: Backend, events: list[KVEvent]) -> None:
+        if backend.canary is not None:
+            backend.canary.feed(events)
+        backend.unkeyed_blocks += self._on_events(backend.state, events)
 
     def by_state(self, state: ReplicaState) -> Backend:
         return self._backends[state.replica_id]
@@ -126,9 +158,11 @@ class BackendPool:
         replica_id: str | None = None,
         capacity_blocks: int | None = None,
         kv_endpoint: KVEventsEndpoint | None = None,
+        card: EngineCard | None = None,
     ) -> Backend:
         """Start routing to ``url`` (idempotent); its KV events are followed from now on
-        (``kv_endpoint``: where a vLLM server publishes them)."""
+        (``kv_endpoint``: where a vLLM server publishes them; ``card``: what it is, as
+        its Ray actor says)."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
@@ -136,8 +170,10 @@ class BackendPool:
             if backend.url == url:
                 return backend
         name = replica_id or url
-        state = ReplicaState(name, capacity_blocks or self._capacity)
-        backend = Backend(url, state, kv_endpoint=kv_endpoint)
+        capacity = capacity_blocks or (card.num_blocks if card else None) or self._capacity
+        state = ReplicaState(name, capacity)
+        kv_endpoint = kv_endpoint or (card.kv_events if card else None)
+        backend = Backend(url, state, kv_endpoint=kv_endpoint, card=card)
         self._backends[name] = backend
         self._on_added(backend.state)
         backend._poller = asyncio.get_running_loop().create_task(self._watch(backend))
@@ -151,10 +187,11 @@ class BackendPool:
         if backend is None:
             return False
         del self._backends[backend.state.replica_id]
-        if backend._poller is not None:
-            backend._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await backend._poller
+        for task in (backend._poller, backend._checker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if backend.stream is not None and self._streams is not None:
             self._streams.forget(backend)
         if backend.healthy:  # an open circuit has already removed it from the policy
@@ -168,37 +205,79 @@ class BackendPool:
             await asyncio.to_thread(self._streams.close)
 
     async def _watch(self, backend: Backend) -> None:
-        """Follow the backend for ever: subscribe to its pushed KV events if it has any,
-        then probe it (see :meth:`_probe`)."""
-        endpoint = backend.kv_endpoint or await self._discover(backend)
-        if endpoint is None:
-            await self._probe_forever(backend)
-            return
-        backend.kv_endpoint = endpoint
-        backend.stream = self._kv_streams().follow(
-            backend,
-            endpoint,
-            on_events=lambda events: self._on_events(backend.state, events),
-            on_load=lambda report: load.reported(backend.state, report),
-        )
+        """Follow the backend for ever: learn what it is, subscribe to its pushed KV
+        events if it has any, check it, then probe it (see :meth:`_probe`)."""
+        if backend.card is None:
+            backend.card = await describe(self.client, backend.url)
+            if backend.card and backend.card.num_blocks:
+                backend.state.capacity_blocks = backend.card.num_blocks
+        endpoint = backend.kv_endpoint or (backend.card.kv_events if backend.card else None)
+        if endpoint is not None:
+            backend.kv_endpoint = endpoint
+            backend.stream = self._kv_streams().follow(
+                backend,
+                endpoint,
+                on_events=lambda events: self._events(backend, events),
+                on_load=lambda report: load.reported(backend.state, report),
+            )
+        self._start_check(backend)
         await self._probe_forever(backend)
+
+    def _start_check(self, backend: Backend) -> None:
+        if self.check is None:  # its events are trusted as they come
+            backend.routing_mode, backend.unchecked = "precise", NOT_CHECKED
+        elif backend._checker is None or backend._checker.done():
+            backend._checker = asyncio.get_running_loop().create_task(self._checked(backend))
+
+    async def _checked(self, backend: Backend) -> None:
+        """Run the join check; on disagreement, route the backend approximately."""
+        assert self.check is not None
+        if backend.stream is None and not await self._serves_events(backend):
+            verdict = Verdict(False, "it publishes no KV events: for vLLM, start it with "
+                              "--kv-events-config and name the endpoint (--backend "
+                              "URL,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT)")  # fmt: skip
+        else:
+            try:
+                verdict = await self.check.check(
+                    backend.url, backend.card,
+                    attach=lambda watch: setattr(backend, "canary", watch),
+                    catch_up=lambda: self._catch_up(backend),
+                )  # fmt: skip
+            except (aiohttp.ClientError, TimeoutError) as error:  # it went away: on its return
+                log.info("backend %s: check interrupted (%r)", backend.url, error)
+                return
+        self._apply(backend, verdict)
+
+    def _catch_up(self, backend: Backend) -> None:
+        if backend.stream is not None and self._streams is not None:
+            self._streams.catch_up(backend)
+
+    def _apply(self, backend: Backend, verdict: Verdict) -> None:
+        backend.unchecked = verdict.skipped
+        if verdict.precise:
+            backend.routing_mode, backend.approximate_reason = "precise", None
+            if not backend.state.precise:  # it was approximate before a restart
+                self._remodel(backend, precise=True)
+            return
+        if backend.approximate_reason != verdict.reason:
+            log.warning("backend %s is routed approximately: %s", backend.url, verdict.reason)
+        backend.routing_mode, backend.approximate_reason = "approximate", verdict.reason
+        if backend.state.precise:
+            self._remodel(backend, precise=False)
+
+    def _remodel(self, backend: Backend, precise: bool) -> None:
+        """Index the backend anew in its new mode (its entries start over)."""
+        if backend.healthy and backend.state.replica_id in self._backends:
+            self._on_removed(backend.state)
+            backend.state.precise = precise
+            self._on_added(backend.state)
+        else:
+            backend.state.precise = precise
 
     def _kv_streams(self) -> KVStreams:
         if self._streams is None:
             self._streams = KVStreams(asyncio.get_running_loop().call_soon_threadsafe)
         return self._streams
-
-    async def _discover(self, backend: Backend) -> KVEventsEndpoint | None:
-        """Where one of our replicas pushes its events (its ``/stats`` says)."""
-        try:
-            async with self.client.get(
-                f"{backend.url}/stats", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as response:
-                if response.status != 200:
-                    return None
-                return stats_codec.decode(ReplicaStats, await response.read()).kv_events
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None  # not one of ours, or not up yet: polled or probed instead
 
     async def _probe_forever(self, backend: Backend) -> None:
         """Open the backend's circuit after ``failure_threshold`` failed probes in a
@@ -254,9 +333,17 @@ class BackendPool:
         if page.lost:  # fell behind the replica's log: start over empty
             events.insert(0, KVEvent(0, "cleared"))
         if events:
-            self._on_events(backend.state, events)
+            self._events(backend, events)
         backend.last_event_seq = page.last_seq
         return True
+
+    async def _serves_events(self, backend: Backend) -> bool:
+        """Whether it answers ``/kv_events`` (ours without a push do; if it cannot be
+        asked now, the canary will tell)."""
+        try:
+            return await self._events_after(backend) is not None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return True
 
     async def _events_after(self, backend: Backend) -> KVEventPage | None:
         """The backend's ``/kv_events`` page, or ``None`` if it has no such endpoint."""
@@ -271,10 +358,28 @@ class BackendPool:
             return decode_page(await response.read())
 
 
+async def describe(client: aiohttp.ClientSession, url: str) -> EngineCard | None:
+    """What the server at ``url`` says of itself: one of our replicas (its ``/stats``), a
+    vLLM server (its ``/metrics`` and ``/v1/models``), or ``None`` (another server, or
+    one not up yet)."""
+    timeout = aiohttp.ClientTimeout(total=5.0)
+    try:
+        async with client.get(f"{url}/stats", timeout=timeout) as response:
+            if response.status == 200:
+                return sim_card(url, stats_codec.decode(ReplicaStats, await response.read()))
+        async with client.get(f"{url}/metrics", timeout=timeout) as response:
+            metrics = await response.text() if response.status == 200 else ""
+        async with client.get(f"{url}/v1/models", timeout=timeout) as response:
+            models = (await response.json()).get("data", []) if response.status == 200 else []
+        return vllm_card(url, metrics, models)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:
     """Keep the pool equal to the live replica actors named ``prefix*`` in this namespace.
 
-    Every round asks each actor for its URL (which starts its server if needed): a
+    Every round asks each actor for its card (which starts its server if needed): a
     new actor is added, one that Ray restarted on another port is re-added with an
     empty index, and one that is gone or not answering is removed until it answers
     again. Ray's look-ups block, so they run in a thread; actor calls are awaited.
@@ -285,23 +390,24 @@ async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float 
         try:
             names = await asyncio.to_thread(ray.util.list_named_actors)
             wanted = sorted(name for name in names if name.startswith(prefix))
-            urls = await asyncio.gather(*(_actor_url(ray, name) for name in wanted))
-            live = {name: url for name, url in zip(wanted, urls, strict=True) if url}
+            cards = await asyncio.gather(*(_actor_card(ray, name) for name in wanted))
+            live = {name: card for name, card in zip(wanted, cards, strict=True) if card}
             for backend in pool.backends:
                 name = backend.state.replica_id
-                if live.get(name) != backend.url:
+                card = live.get(name)
+                if card is None or card.url != backend.url:
                     await pool.remove(name)
-            for name, url in live.items():
-                pool.add(url, replica_id=name)
+            for name, card in live.items():
+                pool.add(card.url, replica_id=name, card=card)
         except Exception as error:  # Ray busy or restarting: try again next round
             log.warning("following Ray replicas: %r", error)
         await asyncio.sleep(interval_s)
 
 
-async def _actor_url(ray: Any, name: str, timeout_s: float = 10.0) -> str | None:
+async def _actor_card(ray: Any, name: str, timeout_s: float = 10.0) -> EngineCard | None:
     try:
         handle = await asyncio.to_thread(ray.get_actor, name)
-        url: str = await asyncio.wait_for(handle.url.remote(), timeout=timeout_s)
-        return url
+        card: EngineCard = await asyncio.wait_for(handle.card.remote(), timeout=timeout_s)
+        return card
     except Exception:  # dead, restarting, or removed since the listing
         return None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
+from replica.api.card import EngineCard
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.policies import POLICIES, PolicyConfig
@@ -54,6 +56,9 @@ class GatewayConfig:
     routing: PolicyConfig = field(default_factory=PolicyConfig)
     #: KV blocks assumed per backend when it does not say (sizes the approximate index).
     capacity_blocks: int = 4096
+    #: Check each joining backend: block size, tokenizer, and a canary prompt's KV events
+    #: (see router/backend_check.py); one that disagrees is routed approximately.
+    check_backends: bool = True
     kv_events_interval_s: float = 0.05
     #: Upstream calls: connecting, the longest silence within an answer (a queued
     #: prefill, a slow stream) and the whole answer, in seconds.
@@ -82,3 +87,19 @@ class GatewayConfig:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
+
+    def configured_by(self, card: EngineCard, keep: Collection[str] = ()) -> GatewayConfig:
+        """This configuration with what an engine says of itself (the model it serves,
+        its tokenizer, block size and pool), except the fields named in ``keep`` (those
+        the user set: ``model``, ``tokenizer``, ``block_size``, ``capacity_blocks``)."""
+        changes: dict[str, object] = {}
+        if "model" not in keep and card.model:
+            changes["model"] = card.model
+        if "tokenizer" not in keep and card.tokenizer:
+            changes["tokenizer"] = card.tokenizer
+        if "capacity_blocks" not in keep and card.num_blocks:
+            changes["capacity_blocks"] = card.num_blocks
+        routing = self.routing
+        if "block_size" not in keep and card.block_size:
+            routing = replace(routing, block_size=card.block_size)
+        return replace(self, routing=routing, **changes)  # type: ignore[arg-type]

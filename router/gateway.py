@@ -19,6 +19,7 @@ from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router.accounting import Accounting
 from router.admission import AdmissionQueue
+from router.backend_check import BackendCheck
 from router.backends import BackendPool
 from router.config import GatewayConfig
 from router.hot_prefixes import HotPrefixes
@@ -33,6 +34,10 @@ class Gateway:
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         self.rng = np.random.default_rng(config.seed)
         self.policy: Policy = self._make_policy(config.policy)
+        routing = config.routing
+        check = BackendCheck(
+            client, self.tokenizer, config.model, routing.block_size, routing.index.stride
+        )
         self.pool = BackendPool(
             client,
             on_events=lambda state, events: self.policy.on_kv_events(state, events),
@@ -40,9 +45,10 @@ class Gateway:
             on_removed=lambda state: self.policy.on_replica_removed(state),
             poll_interval_s=config.kv_events_interval_s,
             default_capacity_blocks=config.capacity_blocks,
+            check=check if config.check_backends else None,
         )
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
-        self.accounting = Accounting(tolerance_tokens=config.routing.stride_tokens)
+        self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
         self.metrics = GatewayMetrics(self.accounting, self.pool, self.admission)
         board = config.dashboard
         self.hot_prefixes = HotPrefixes(

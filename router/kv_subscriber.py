@@ -10,9 +10,11 @@ waking Python, and one that did not change is recognised by its bytes. Decoded e
 are handed to the event loop in batch-number order (``deliver``); the index is only
 ever touched there.
 
-A gap (a batch number past the next expected, or batches that a load report said
-were sent and that have still not come by the next report) is filled from the
-publisher's replay socket; what the replay cannot give any more is lost, so the
+A new follower learns the publisher's replay buffer at once (a gateway that joins
+late, in front of an engine whose cache is quiet, would otherwise know nothing until
+its next batch). A gap (a batch number past the next expected, or batches that a load
+report said were sent and that have still not come by the next report) is filled from
+the publisher's replay socket; what the replay cannot give any more is lost, so the
 replica's entries are dropped and the index starts over from the batches that follow.
 Silence longer than ``silence_s`` on a stream with a heartbeat (ours) marks the replica
 stale: its entries are dropped until it speaks again.
@@ -40,6 +42,8 @@ from replica.api.stats import KVEventsEndpoint, LoadReport
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+#: "Every batch from there on", for a replay.
+ALL_LATER = 2**63 - 1
 #: Latencies kept per stream for its percentiles: the latest ones.
 LATENCIES_KEPT = 10_000
 #: Runs ``fn(*args)`` where the index lives (``loop.call_soon_threadsafe`` in a gateway).
@@ -115,6 +119,11 @@ class KVStreams:
         """Replay the backend's whole buffer again (its index entries were dropped)."""
         self._commands.put(("relearn", key, None))
 
+    def catch_up(self, key: Any) -> None:
+        """Ask the replay socket for every batch after the last one seen: a publisher with
+        no heartbeat (vLLM) gives no other sign of a batch sent while we subscribed."""
+        self._commands.put(("catch_up", key, None))
+
     def close(self) -> None:
         self._running = False
         self._thread.join(timeout=5)
@@ -150,10 +159,16 @@ class KVStreams:
                 self._by_socket[socket] = self._by_socket[load] = state
                 events.register(socket, zmq.POLLIN)
                 self._loads.register(load, zmq.POLLIN)
+                if state.next_batch is None:  # new: learn what the publisher holds
+                    self._learn(state)
             elif key in self._streams:
                 socket, load, state = self._streams[key]
                 if command == "relearn":
                     state.next_batch = None
+                    self._learn(state)
+                    continue
+                if command == "catch_up":
+                    self._learn(state)
                     continue
                 events.unregister(socket)
                 self._loads.unregister(load)
@@ -254,6 +269,12 @@ class KVStreams:
                 state.load, state._load_bytes = None, b""  # its next report is news
                 if state.on_load is not None:
                     self._deliver(state.on_load, None)
+
+    def _learn(self, state: StreamState) -> None:
+        """Replay what the publisher holds after the last batch seen (all of it, for a
+        new follower)."""
+        if state.endpoint.replay_endpoint:
+            self._replay(state, state.next_batch or 0, ALL_LATER)
 
     def _replay(self, state: StreamState, start: int, until: int, timeout_s: float = 2.0) -> None:
         """Apply batches ``start`` .. ``until - 1`` from the replay socket, in order;

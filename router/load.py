@@ -48,15 +48,21 @@ def prefilled(request: RoutingRequest, replica: ReplicaState) -> None:
         _changed(replica)
 
 
-def completed(policy: Policy, request: RoutingRequest, replica: ReplicaState) -> None:
-    """``request`` ended, however it ended: release all its load and tell the policy."""
+def completed(
+    policy: Policy,
+    request: RoutingRequest,
+    replica: ReplicaState,
+    cached_tokens: int | None = None,
+) -> None:
+    """``request`` ended, however it ended: release all its load and tell the policy
+    (with the prompt tokens the engine found cached, if it said)."""
     prefilled(request, replica)
     replica.outstanding_requests -= 1
     del replica.in_flight[request.request_id]
     if _since_report(request, replica):
         replica.requests_since_report -= 1
     _changed(replica)
-    policy.on_complete(request, replica)
+    policy.on_complete(request, replica, cached_tokens)
 
 
 def reported(replica: ReplicaState, report: LoadReport | None) -> None:

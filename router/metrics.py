@@ -26,7 +26,17 @@ BY_POLICY: tuple[tuple[str, str, Callable[[PolicyCounts], int]], ...] = (
      lambda c: c.predicted_cached_tokens),
     ("actual_cached_tokens", "Cached tokens the replicas reported.",
      lambda c: c.actual_cached_tokens),
+    ("over_predicted_tokens", "Cached tokens predicted beyond what the replicas reported.",
+     lambda c: c.over_predicted_tokens),
+    ("under_predicted_tokens", "Cached tokens the replicas reported beyond the prediction.",
+     lambda c: c.under_predicted_tokens),
 )  # fmt: skip
+#: ``prefix_router_predictions{outcome}``: predictions against the replicas' figures.
+OUTCOMES: tuple[tuple[str, Callable[[PolicyCounts], int]], ...] = (
+    ("exact", lambda c: c.exact_predictions),
+    ("over", lambda c: c.over_predictions),
+    ("under", lambda c: c.under_predictions),
+)
 #: ``prefix_router_tenant_*`` families, each read from ``RequestCounts``.
 BY_TENANT: tuple[tuple[str, str, Callable[[RequestCounts], int]], ...] = (
     ("requests", "Requests per tenant.", lambda c: c.requests),
@@ -85,6 +95,16 @@ class GatewayMetrics:
                 for policy, counts in by_backend.get(name, {}).items():
                     family.add_metric([name, policy], read(counts))
             yield family
+        outcomes = CounterMetricFamily(
+            "prefix_router_predictions",
+            "Cached-token predictions by outcome against the replica's figure.",
+            labels=["replica", "policy", "outcome"],
+        )
+        for name in names:
+            for policy, counts in by_backend.get(name, {}).items():
+                for outcome, read in OUTCOMES:
+                    outcomes.add_metric([name, policy, outcome], read(counts))
+        yield outcomes
 
     def _by_replica(self) -> Iterable[Metric]:
         errors = self._accounting.upstream_errors
@@ -94,12 +114,23 @@ class GatewayMetrics:
         failed = CounterMetricFamily(
             "prefix_router_upstream_errors", "Failed upstream calls.", labels=["replica"]
         )
+        unkeyed = CounterMetricFamily(
+            "prefix_router_unkeyed_event_blocks",
+            "Stored blocks of a replica's KV events that could not be keyed.",
+            labels=["replica"],
+        )
+        precise = GaugeMetricFamily(
+            "prefix_router_backend_precise",
+            "1 while a replica's cache is known from its KV events, 0 while approximately.",
+            labels=["replica", "mode"],
+        )
         for backend in self._pool.backends:
             name = backend.state.replica_id
             outstanding.add_metric([name], backend.state.outstanding_requests)
             failed.add_metric([name], errors[name])
-        yield outstanding
-        yield failed
+            unkeyed.add_metric([name], backend.unkeyed_blocks)
+            precise.add_metric([name, backend.routing_mode], int(backend.state.precise))
+        yield from (outstanding, failed, unkeyed, precise)
 
     def _by_policy_totals(self) -> Iterable[Metric]:
         """Every request per policy, and its time to first token seen from the gateway."""

@@ -14,9 +14,16 @@ Two sources of knowledge, each a :class:`ReplicaSets`:
   replica's capacity, and entries older than a TTL are forgotten.
 - *precise*: the replicas' KV events (stored, removed, cleared) say what they hold.
   Routing decisions of the last few seconds count as well, to cover events that
-  have not arrived yet. Events from a replica's host tier (``medium`` CPU) go to a
-  set of their own: :meth:`PrefixIndex.match_host` says how much further than its
+  have not arrived yet; a removal, newer than those decisions, drops them too, and so
+  does an answer whose engine reported fewer cached tokens than predicted
+  (:meth:`PrefixIndex.correct`). Events from a replica's host tier (``medium`` CPU) go
+  to a set of their own: :meth:`PrefixIndex.match_host` says how much further than its
   GPU a replica holds a prompt in host memory.
+
+A precise index may hold some replicas approximately: those whose events cannot be
+trusted (another block size, another tokenizer: see ``router/backend_check.py``).
+Their events are ignored and their decisions kept as in approximate mode, so they are
+routed on what the router sent them rather than blind.
 
 Memory is bounded by the replicas' total capacity whatever the traffic, and removing
 a replica removes all its entries.
@@ -60,25 +67,26 @@ class IndexConfig:
 class ReplicaSets:
     """identity -> bitmask of replicas, with one bounded LRU of identities per replica.
 
-    ``capacity`` bounds each replica's entries (``None``: bounded by its source, such
-    as a replica's own events); ``ttl_s`` expires entries not touched for that long.
+    Each replica's ``capacity`` bounds its entries (``None``: bounded by its source, such
+    as a replica's own events); its ``ttl_s`` expires entries not touched for that long.
     """
 
-    def __init__(self, clock: Callable[[], float], ttl_s: float | None = None) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.ttl_s = ttl_s
         self.holders: dict[int, int] = {}
         self._next_expiry = float("-inf")
         self._entries: dict[int, OrderedDict[int, float]] = {}  # bit -> identity -> last touch
         self._capacity: dict[int, int | None] = {}
+        self._ttl: dict[int, float | None] = {}
 
-    def add_replica(self, bit: int, capacity: int | None) -> None:
+    def add_replica(self, bit: int, capacity: int | None, ttl_s: float | None = None) -> None:
         self._entries[bit] = OrderedDict()
         self._capacity[bit] = capacity
+        self._ttl[bit] = ttl_s
 
     def remove_replica(self, bit: int) -> None:
         self.clear(bit)
-        del self._entries[bit], self._capacity[bit]
+        del self._entries[bit], self._capacity[bit], self._ttl[bit]
 
     def __len__(self) -> int:
         return len(self.holders)
@@ -89,7 +97,7 @@ class ReplicaSets:
     def add(self, bit: int, hashes: Sequence[int]) -> None:
         entries, mask, now = self._entries[bit], 1 << bit, self.clock()
         holders, capacity = self.holders, self._capacity[bit]
-        ordered = capacity is not None or self.ttl_s is not None
+        ordered = capacity is not None or self._ttl[bit] is not None
         # Deepest first, so a prefix's first blocks are the freshest and the LRU (and
         # the TTL) drop a prefix from its end, as leaf-only eviction does.
         for block_hash in reversed(hashes):
@@ -113,18 +121,23 @@ class ReplicaSets:
         entries.clear()
 
     def expire(self) -> None:
-        """Forget entries older than the TTL: the oldest sit at the front of each LRU.
+        """Forget entries older than their replica's TTL: the oldest sit at the front of
+        each LRU.
 
-        Runs at most every eighth of the TTL, so an entry lives up to 1.125 TTLs.
+        Runs at most every eighth of the shortest TTL, so an entry lives up to 1.125 TTLs.
         """
-        if self.ttl_s is None:
+        ttls = [ttl for ttl in self._ttl.values() if ttl is not None]
+        if not ttls:
             return
         now = self.clock()
         if now < self._next_expiry:
             return
-        self._next_expiry = now + self.ttl_s / 8
-        horizon = now - self.ttl_s
+        self._next_expiry = now + min(ttls) / 8
         for bit, entries in self._entries.items():
+            ttl = self._ttl[bit]
+            if ttl is None:
+                continue
+            horizon = now - ttl
             while entries and next(iter(entries.values())) < horizon:
                 self._drop(bit, entries.popitem(last=False)[0])
 
@@ -155,20 +168,28 @@ class PrefixIndex:
         self._bits: dict[str, int] = {}
         self._ids: dict[int, str] = {}  # the other way round
         self._all_bits = 0
+        self._approximate_bits = 0  # replicas routed on decisions alone, events ignored
         precise = config.mode == "precise"
-        self.routed = ReplicaSets(clock, config.recent_s if precise else config.ttl_s)
+        self._routed_ttl_s = config.recent_s if precise else config.ttl_s
+        self.routed = ReplicaSets(clock)
         self.stored = ReplicaSets(clock) if precise else None
         self.host = ReplicaSets(clock) if precise else None
 
     # ------------------------------------------------------------- replicas
 
-    def add_replica(self, replica_id: str, capacity_blocks: int) -> None:
+    def add_replica(self, replica_id: str, capacity_blocks: int, approximate: bool = False) -> None:
+        """Index a replica; ``approximate``: its events are not to be trusted, so it is
+        known from decisions alone, kept as long as approximate mode keeps them."""
         if replica_id in self._bits:
             return
         bit = min(set(range(len(self._bits) + 1)) - set(self._bits.values()))
         self._bits[replica_id], self._ids[bit] = bit, replica_id
         self._all_bits |= 1 << bit
-        self.routed.add_replica(bit, max(1, capacity_blocks // self.config.stride))
+        capacity, ttl_s = max(1, capacity_blocks // self.config.stride), self._routed_ttl_s
+        if approximate and self.stored is not None:
+            self._approximate_bits |= 1 << bit
+            ttl_s = self.config.ttl_s
+        self.routed.add_replica(bit, capacity, ttl_s)
         for sets in self._event_sets:
             sets.add_replica(bit, None)
         self._keys[bit] = EventKeys(self.model, self.block_size, self.config.stride)
@@ -179,6 +200,7 @@ class PrefixIndex:
             return
         del self._ids[bit]
         self._all_bits &= ~(1 << bit)
+        self._approximate_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
         for sets in self._event_sets:
             sets.remove_replica(bit)
@@ -271,23 +293,43 @@ class PrefixIndex:
         if bit is not None:
             self.routed.add(bit, stride_hashes)
 
-    def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> None:
-        """Precise mode: mirror a replica's stored / removed / cleared blocks."""
+    def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> int:
+        """Precise mode: mirror a replica's stored / removed / cleared blocks. A block
+        removed from the GPU is no longer assumed there from a recent decision either:
+        the removal is the newer news. Returns how many stored blocks could not be
+        keyed (see ``router/event_keys.py``)."""
         bit = self._bits.get(replica_id)
         if bit is None or self.stored is None or self.host is None:
-            return
+            return 0
+        if self._approximate_bits >> bit & 1:
+            return 0
         keys = self._keys[bit]
+        unkeyed = keys.unkeyed
         for event in events:
             sets = self.host if event.medium == "CPU" else self.stored
             if event.kind == "stored":
                 sets.add(bit, keys.stored(event))
             elif event.kind == "removed":
-                sets.discard(bit, keys.removed(event))
+                gone = keys.removed(event)
+                sets.discard(bit, gone)
+                if event.medium == "GPU":
+                    self.routed.discard(bit, gone)
             else:  # both tiers emptied
                 self.stored.clear(bit)
                 self.host.clear(bit)
                 self.routed.clear(bit)
                 keys.clear()
+        return keys.unkeyed - unkeyed
+
+    def correct(self, replica_id: str, stride_hashes: Sequence[int], cached_tokens: int) -> None:
+        """The engine found only ``cached_tokens`` of this prompt cached: forget the
+        decisions that said it held more. Precise mode only: there the events, not the
+        decisions, say what the request left cached; in approximate mode the decision
+        just made is right again, since the engine has now computed the prompt."""
+        bit = self._bits.get(replica_id)
+        if bit is None or self.stored is None or self._approximate_bits >> bit & 1:
+            return
+        self.routed.discard(bit, stride_hashes[cached_tokens // self.stride_tokens :])
 
 
 class PrefixPopularity:

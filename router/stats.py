@@ -15,14 +15,36 @@ from router.config import GatewayConfig
 @dataclass
 class PolicyCounts:
     """One backend's requests under one policy, and how well their cache was predicted:
-    requests with a prediction, those within one router stride of what the replica
-    reported, and the cached tokens predicted and reported (for those requests)."""
+    requests with a prediction; of them, those the replica's figure matched exactly,
+    those within one KV block of it, within one router stride, and those that
+    predicted more (over) or fewer (under) cached tokens than the replica reported,
+    with the tokens by which they missed; and the cached tokens predicted and reported."""
 
     requests: int = 0
     predictions: int = 0
     close_predictions: int = 0
     predicted_cached_tokens: int = 0
     actual_cached_tokens: int = 0
+    exact_predictions: int = 0
+    block_predictions: int = 0
+    over_predictions: int = 0
+    under_predictions: int = 0
+    over_predicted_tokens: int = 0
+    under_predicted_tokens: int = 0
+
+    def predicted(self, predicted: int, actual: int, block: int, stride: int) -> None:
+        """Count one prediction against the replica's figure."""
+        miss = predicted - actual
+        self.predictions += 1
+        self.predicted_cached_tokens += predicted
+        self.actual_cached_tokens += actual
+        self.exact_predictions += miss == 0
+        self.block_predictions += abs(miss) <= block
+        self.close_predictions += abs(miss) < stride
+        self.over_predictions += miss > 0
+        self.under_predictions += miss < 0
+        self.over_predicted_tokens += max(miss, 0)
+        self.under_predicted_tokens += max(-miss, 0)
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,19 @@ class BackendStats:
     #: requests) plus this gateway's since; without reports, the outstanding ones.
     load_requests: int = 0
     load_prefill_tokens: int = 0
+    #: How its cache is known: ``checking`` (its join check runs; its events are trusted
+    #: meanwhile), ``precise`` (from its events) or ``approximate`` (from the router's
+    #: decisions), with the reason: what differs and the flag that fixes it.
+    routing_mode: str = "checking"
+    approximate_reason: str | None = None
+    #: Join checks that could not be made, and why.
+    unchecked: list[str] = field(default_factory=list)
+    #: Stored blocks of its KV events that could not be keyed to the router's identities.
+    unkeyed_blocks: int = 0
+    #: What it says of itself: ``sim`` or ``vllm``, its model and block size (None: unknown).
+    engine: str | None = None
+    model: str | None = None
+    block_size: int | None = None
 
     @property
     def predicted_cached_tokens(self) -> int:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from deploy.processes import free_port
 from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import TOKEN_DTYPE
+from replica.vllm_server import Ports, VLLMConfig, VLLMServer
 from router.stats import GatewayStats
 
 #: The first 400 requests of ../shared/traces/mooncake_conversation.jsonl (see data/README.md).
@@ -56,6 +61,29 @@ def replica_stats(url: str) -> ReplicaStats:
     return stats_codec.decode(ReplicaStats, httpx.get(f"{url}/stats").content)
 
 
+def wait_until_checked(gateway: str, backends: int = 1, timeout_s: float = 60.0) -> GatewayStats:
+    """Until the gateway routes ``backends`` backends and has checked each of them (its
+    canary prompts are answered: router/backend_check.py)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = gateway_stats(gateway)
+        if len(stats.backends) >= backends and all(
+            b.routing_mode != "checking" for b in stats.backends
+        ):
+            return stats
+        assert time.monotonic() < deadline, f"{gateway} did not check its backends"
+        time.sleep(0.05)
+
+
+def settled(gateway: str, replicas: list[str]) -> GatewayStats:
+    """The gateway has checked every replica, and their statistics start from zero (the
+    canaries of the check counted as requests)."""
+    stats = wait_until_checked(gateway, len(replicas))
+    for url in replicas:
+        assert httpx.post(f"{url}/reset").status_code == 200
+    return stats
+
+
 #: A Llama-3-shaped chat template: a BOS, headed turns each ended by <|eot|>.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -95,3 +123,36 @@ def build_hf_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
     config = {"bos_token": "<|begin|>", "eos_token": "<|eot|>", "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+#: A small vLLM replica: its KV cache holds 7,808 tokens of the tiny model (244 blocks of
+#: 32), so a few prompts sent straight to it evict what it held.
+VLLM_ARGS = ("--kv-cache-memory-bytes", "16M", "--max-model-len", "4096")
+
+
+@contextlib.contextmanager
+def vllm_servers(
+    model: Path, count: int, engine_args: tuple[str, ...] = VLLM_ARGS
+) -> Iterator[list[VLLMServer]]:
+    """``count`` vLLM servers of ``model`` on free loopback ports, started together and
+    stopped (with their work folders) however the caller ends."""
+    config = VLLMConfig(str(model), engine_args)
+    servers = [
+        VLLMServer(config, "127.0.0.1", Ports(free_port(), free_port(), free_port()))
+        for _ in range(count)
+    ]
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def vllm_backend(server: VLLMServer) -> str:
+    """The gateway's ``--backend`` for a vLLM server: its URL and its KV events' sockets."""
+    events = server.kv_events
+    return f"{server.url},kv={events.endpoint},replay={events.replay_endpoint},topic={events.topic}"

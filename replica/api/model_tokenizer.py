@@ -28,6 +28,8 @@ from replica.api.tokenizer import DEFAULT_TOKENIZER, TOKEN_DTYPE, ByteTokenizer,
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+#: Where transformers 5 saves a model's chat template (it wins over the config's, as there).
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +47,8 @@ class HFTokenizer:
     @classmethod
     def load(cls, path: Path, chat_template: str = "") -> HFTokenizer:
         """From a ``tokenizer.json`` or a folder that holds it (and, beside it, the
-        ``tokenizer_config.json`` naming its special tokens and chat template)."""
+        ``tokenizer_config.json`` naming its special tokens and chat template, or the
+        template in ``chat_template.jinja``, where transformers 5 writes it)."""
         folder = path if path.is_dir() else path.parent
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
@@ -55,7 +58,14 @@ class HFTokenizer:
         special = {
             key: _token_text(config[key]) for key in ("bos_token", "eos_token") if config.get(key)
         }
-        template = _template_text(chat_template) if chat_template else config.get("chat_template")
+        saved = folder / TEMPLATE_FILE
+        template = (
+            _template_text(chat_template)
+            if chat_template
+            else saved.read_text()
+            if saved.is_file()
+            else config.get("chat_template")
+        )
         return cls(
             name=str(path),
             tokenizer=tokenizer,

@@ -157,6 +157,32 @@ class ChatCompletionRequest(_Sampling):
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a completion's ``prompt`` or a conversation's
+    ``messages`` (rendered by the chat template, with the generation prompt unless told)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of_prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def token_ids(self, tokenizer: Tokenizer) -> np.ndarray:
+        if self.prompt is not None:
+            return tokenizer.encode(self.prompt)
+        messages = [
+            {"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages or ())
+        ]
+        return tokenizer.apply_chat_template(messages, self.add_generation_prompt)
+
+
 _MESSAGES = TypeAdapter(list[ChatMessage])
 
 

@@ -37,6 +37,9 @@ class ReplicaState:
 
     replica_id: str
     capacity_blocks: int = 0
+    #: Whether its KV events key to the router's identities (see router/backend_check.py):
+    #: if not, cache-aware policies know it from their decisions alone.
+    precise: bool = True
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     dispatched: int = 0
@@ -168,8 +171,11 @@ class Policy:
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         """Called once the request is sent to ``replica``."""
 
-    def on_complete(self, request: RoutingRequest, replica: ReplicaState) -> None:
-        """Called when the request ends, whether it finished, failed or was aborted."""
+    def on_complete(
+        self, request: RoutingRequest, replica: ReplicaState, cached_tokens: int | None = None
+    ) -> None:
+        """Called when the request ends, whether it finished, failed or was aborted;
+        ``cached_tokens``: the prompt tokens the engine found cached, if it said."""
 
     def on_replica_added(self, replica: ReplicaState) -> None:
         """Called when a replica joins the fleet."""
@@ -177,8 +183,10 @@ class Policy:
     def on_replica_removed(self, replica: ReplicaState) -> None:
         """Called when a replica leaves: forget everything about it."""
 
-    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> None:
-        """Called with a replica's KV events (precise cache-aware routing uses them)."""
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> int:
+        """Called with a replica's KV events (precise cache-aware routing uses them);
+        returns how many stored blocks it could not key (none, if it keys none)."""
+        return 0
 
     def _least_loaded(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
         low = min(r.load_requests for r in replicas)

@@ -25,14 +25,23 @@ class IndexedPolicy(Policy):
         self._know(replica)
         self.index.record_routing(replica.replica_id, request.stride_hashes)
 
+    def on_complete(
+        self, request: RoutingRequest, replica: ReplicaState, cached_tokens: int | None = None
+    ) -> None:
+        """An engine that found less cached than predicted corrects the index at once."""
+        predicted = request.predicted_cached_tokens
+        if cached_tokens is not None and predicted is not None and cached_tokens < predicted:
+            self.index.correct(replica.replica_id, request.stride_hashes, cached_tokens)
+
     def on_replica_added(self, replica: ReplicaState) -> None:
-        self.index.add_replica(replica.replica_id, self._index_capacity(replica))
+        capacity = self._index_capacity(replica)
+        self.index.add_replica(replica.replica_id, capacity, approximate=not replica.precise)
 
     def on_replica_removed(self, replica: ReplicaState) -> None:
         self.index.remove_replica(replica.replica_id)
 
-    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> None:
-        self.index.apply_events(replica.replica_id, events)
+    def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> int:
+        return self.index.apply_events(replica.replica_id, events)
 
     def _index_capacity(self, replica: ReplicaState) -> int:
         return replica.capacity_blocks

@@ -16,6 +16,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running
+from tests.shared import settled
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,7 @@ def test_a_headless_locust_run_completes_and_its_figures_agree(tmp_path):
     with running(replica, replica) as replicas:
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
         with running(gateway_command) as (gateway,):
+            settled(gateway, replicas)
             locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6",
                    "--html", str(tmp_path / "report.html"))  # fmt: skip
             engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]
@@ -131,8 +133,10 @@ def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path, browse
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
         with (
             running(gateway_command) as (gateway,),
-            locust_web_ui(tmp_path, gateway, "--chat-num-sessions", "4") as ui,
+            contextlib.ExitStack() as ready,
         ):
+            settled(gateway, replicas)
+            ui = ready.enter_context(locust_web_ui(tmp_path, gateway, "--chat-num-sessions", "4"))
             # Every session played, the run stops itself; the UI stays up.
             figures = wait_for_state(ui, "stopped")
             engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]

@@ -229,3 +229,66 @@ def test_host_tier_events_say_how_much_further_a_replica_holds_a_prompt():
     assert engine.reset_cache()
     index.apply_events("b", engine.cache.events_since(events[-1].seq)[0])
     assert index.match_host(hashes, {}) == {} and index.num_entries("b") == 0
+
+
+def served(engine: Engine, request_id: str, tokens: np.ndarray) -> None:
+    engine.add_request(EngineRequest(request_id, tokens, 1))
+    while engine.has_unfinished:
+        engine.step()
+
+
+def test_an_eviction_drops_the_recent_decisions_that_said_the_prefix_was_there(clock):
+    """The decision is older news than the engine's removal: after it, the prefix is
+    predicted nowhere, although the decision is younger than ``recent_s``."""
+    index = make_index("precise", clock, recent_s=5.0)
+    engine = Engine(EngineConfig(num_blocks=48, block_size=BLOCK))
+    served(engine, "r", prompt(700))
+    index.record_routing("b", stride_hashes(prompt(700)))
+    index.apply_events("b", engine.cache.events_since(0)[0])
+    assert index.match(stride_hashes(prompt(700))) == {"b": 640}
+    seen = engine.cache.events_since(0)[0][-1].seq
+    served(engine, "s", prompt(700, 50_000))  # 44 more blocks: most of the first go
+    index.apply_events("b", engine.cache.events_since(seen)[0])
+    held = engine.cache.match(block_hashes(prompt(700), BLOCK, SEED), prompt(700).tobytes())
+    assert index.match(stride_hashes(prompt(700))).get("b", 0) == (
+        len(held) // STRIDE * BLOCK * STRIDE
+    )  # what the engine holds, not what was routed 0 s ago
+
+
+def test_an_answer_with_fewer_cached_tokens_corrects_the_decisions_at_once(clock):
+    index = make_index("precise", clock, recent_s=5.0)
+    hashes = stride_hashes(prompt(1000))
+    index.record_routing("a", hashes)
+    assert index.match(hashes) == {"a": 960}
+    index.correct("a", hashes, cached_tokens=300)  # the engine held 300 of them
+    assert index.match(hashes) == {"a": 256}  # 4 whole strides, not 15
+    approximate = make_index("approximate", clock)
+    approximate.record_routing("a", hashes)
+    approximate.correct("a", hashes, cached_tokens=0)  # it has just computed them all
+    assert approximate.match(hashes) == {"a": 960}
+
+
+def test_a_replica_whose_events_cannot_be_trusted_is_indexed_from_decisions_alone(clock):
+    index = make_index("precise", clock, recent_s=2.0, ttl_s=600.0)
+    index.add_replica("d", capacity_blocks=64, approximate=True)
+    hashes = stride_hashes(prompt(256))
+    index.record_routing("d", hashes)
+    index.record_routing("a", hashes)
+    clock.now = 100.0  # far past recent_s: the precise replica's decision is gone
+    assert index.match(hashes) == {"d": 256}
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    served(engine, "r", prompt(700, 9_000))
+    assert index.apply_events("d", engine.cache.events_since(0)[0]) == 0  # ignored
+    assert index.match(stride_hashes(prompt(700, 9_000))) == {}
+    clock.now = 800.0  # approximate mode's TTL
+    assert index.match(hashes) == {}
+
+
+def test_events_that_cannot_be_keyed_are_counted():
+    index = make_index("precise")
+    engine = Engine(EngineConfig(num_blocks=64, block_size=2 * BLOCK))  # another block size
+    served(engine, "r", prompt(700))
+    events = engine.cache.events_since(0)[0]
+    blocks = sum(len(e.block_hashes) for e in events if e.kind == "stored")
+    assert index.apply_events("a", events) == blocks == 700 // (2 * BLOCK)
+    assert index.match(stride_hashes(prompt(700))) == {}

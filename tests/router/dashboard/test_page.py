@@ -18,7 +18,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running, start, stop, wait_until
-from tests.shared import gateway_stats, replica_stats
+from tests.shared import gateway_stats, replica_stats, settled
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
         gateway = ["gateway", *[f"--backend={url}" for url in replicas],
                    "--api-keys-file", str(keys)]  # fmt: skip
         with running(gateway) as (url,):
+            settled(url, replicas)
             yield url, replicas
 
 

@@ -1,0 +1,176 @@
+"""Replicas as Ray actors: our simulated engine's server inside the actor, or a vLLM
+server process the actor owns.
+
+Ray places an actor, restarts it when it dies (``max_restarts``) and lets the gateways
+find it by name; requests never pass through Ray, only HTTP. Either kind answers the
+same calls: ``url()`` starts its server on first use (also after a restart) and returns
+its base URL; ``card()`` returns its :class:`~replica.api.card.EngineCard` (URL, model,
+block size, pool, tokenizer, where it publishes its KV events), from which every
+gateway configures itself; ``stop()`` stops it and cleans up.
+
+Why vLLM runs as a process the actor owns, not embedded as Ray Serve LLM embeds its
+engine: vLLM's server is what its users run and tune (every flag passes through as
+vLLM names it), its ``run_server`` must own the main thread of a process (it installs
+signal handlers, which fails inside an async Ray actor), and a crash of the engine
+(an out-of-memory kill, a CUDA fault) then leaves the actor alive to say so, restart the
+server on the same ports and keep its name, so gateways re-admit it by its health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from deploy.serving import Server, serve_in_loop
+from replica.api.card import EngineCard, sim_card
+from replica.api.config import ReplicaConfig
+from replica.server import create_app
+from replica.vllm_server import Ports, VLLMConfig, VLLMServer
+
+log = logging.getLogger(__name__)
+
+#: A replica's engine: our simulated one (its config) or vLLM (its model and flags).
+EngineSpec = ReplicaConfig | VLLMConfig
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class SimReplica:
+    """A simulated engine's HTTP server in the actor's event loop (the body of the actor;
+    a plain class, readable and testable without Ray)."""
+
+    def __init__(self, config: ReplicaConfig, host: str | None = None) -> None:
+        self.config = config
+        self.host = host
+        self._url: str | None = None
+        self._app: Any = None
+        self._server: Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
+
+    async def url(self) -> str:
+        """Start the server if it is not running, and return its base URL."""
+        async with self._starting:
+            if self._url is None:
+                host = self.host or ray.util.get_node_ip_address()
+                port = free_port(host)
+                self._app = create_app(self.config, kv_events_host=host)
+                self._server, self._task = await serve_in_loop(self._app, host, port)
+                self._url = f"http://{host}:{port}"
+            return self._url
+
+    async def card(self) -> EngineCard:
+        url = await self.url()
+        return sim_card(url, self._app.state.replica.stats())
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.stop()
+            await self._task
+        self._url = self._server = self._task = None
+
+
+class VLLMReplica:
+    """A vLLM server process owned by the actor: started on first use, restarted on the
+    same ports when it dies (watched every ``watch_s``), stopped with :meth:`stop`."""
+
+    def __init__(self, config: VLLMConfig, host: str | None = None, watch_s: float = 1.0) -> None:
+        self.config = config
+        self.host = host
+        self.watch_s = watch_s
+        self.restarts = 0
+        self._server: VLLMServer | None = None
+        self._starting = asyncio.Lock()
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def url(self) -> str:
+        """Start the server if it is not running (wait until it serves), and return its URL."""
+        async with self._starting:
+            server = self._server
+            if server is None:
+                host = self.host or ray.util.get_node_ip_address()
+                ports = Ports(free_port(host), free_port(host), free_port(host))
+                server = self._server = VLLMServer(self.config, host, ports)
+            if not server.alive():
+                server.launch()  # from the event loop's thread, which lives as long as we do
+                await asyncio.to_thread(server.wait_ready)
+            if self._watcher is None:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
+            return server.url
+
+    async def card(self) -> EngineCard:
+        await self.url()
+        assert self._server is not None
+        return await asyncio.to_thread(self._server.card)
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
+        async with self._starting:
+            if self._server is not None:
+                await asyncio.to_thread(self._server.stop)
+
+    async def _watch(self) -> None:
+        """Restart the server whenever its process has died."""
+        while True:
+            await asyncio.sleep(self.watch_s)
+            server = self._server
+            if server is None or server.alive() or self._starting.locked():
+                continue
+            code = server.process.returncode if server.process else None
+            log.warning("vLLM server %s exited with %s: restarting it", server.url, code)
+            self.restarts += 1
+            try:
+                await self.url()
+            except (RuntimeError, TimeoutError) as error:
+                log.error("vLLM server %s did not restart: %s", server.url, error)
+
+
+SimReplicaActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(SimReplica)
+VLLMReplicaActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(VLLMReplica)
+
+
+def replica_actor(spec: EngineSpec) -> Any:
+    """The actor class that hosts ``spec``'s engine."""
+    return VLLMReplicaActor if isinstance(spec, VLLMConfig) else SimReplicaActor
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica's engine did not start (the message quotes why: its log's last lines)."""
+
+
+def ready_cards(handles: Sequence[Any], timeout_s: float | None = None) -> list[EngineCard]:
+    """Start every replica (all at once) and return their cards once they serve; raises
+    :class:`ReplicaStartError` with the first failure's reason."""
+    try:
+        return list(ray.get([handle.card.remote() for handle in handles], timeout=timeout_s))
+    except ray.exceptions.RayTaskError as error:
+        raise ReplicaStartError(f"a replica did not start: {error.cause}") from None
+
+
+def stop_replicas(handles: Sequence[Any], timeout_s: float = 30.0) -> None:
+    """Stop the replicas' servers (a vLLM process and its files), then kill the actors."""
+    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+        ray.get([handle.stop.remote() for handle in handles], timeout=timeout_s)
+    for handle in handles:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(handle, no_restart=True)

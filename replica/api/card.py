@@ -1,0 +1,84 @@
+"""What an engine replica says of itself, so that a gateway configures itself from it.
+
+A gateway must hash prompts as the engine caches them: the same block size, the same
+tokenizer, the same model. Rather than flags a user must match by hand, every replica
+describes itself in an :class:`EngineCard`: ours from their ``/stats``, a vLLM server
+from its ``/metrics`` (``vllm:cache_config_info`` names its block size and pool) and
+``/v1/models``, and a replica actor hands its card to the gateways following it. What
+a card leaves out (``None``) the gateway does not know and does not assume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.api.stats import KVEventsEndpoint, ReplicaStats
+
+EngineKind = Literal["sim", "vllm"]
+ENGINES: tuple[EngineKind, ...] = ("sim", "vllm")
+
+
+@dataclass(frozen=True)
+class EngineCard:
+    """One replica: where it serves, what it serves, and how it caches."""
+
+    engine: EngineKind
+    url: str
+    #: The name requests give as ``model`` (vLLM's served model name).
+    model: str
+    block_size: int | None
+    #: KV blocks in its pool (its cache's capacity).
+    num_blocks: int | None = None
+    #: Its tokenizer: ``bytes4`` (the simulated model's) or a model folder's path.
+    tokenizer: str | None = None
+    #: Where it pushes its KV events (``None``: it publishes none that we know of).
+    kv_events: KVEventsEndpoint | None = None
+    #: The engine's process, for operators (and tests that stop it).
+    pid: int | None = None
+
+
+def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
+    """One of our simulated replicas, from its ``/stats``."""
+    config = stats.config
+    return EngineCard(
+        "sim", url, config.model, config.block_size, stats.cache.num_blocks,
+        config.tokenizer, stats.kv_events, stats.pid,
+    )  # fmt: skip
+
+
+def vllm_cache_config(metrics_text: str) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` gauge (its ``CacheConfig``:
+    ``block_size``, ``num_gpu_blocks``, ...), or ``{}`` if the text has none."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "vllm:cache_config_info":
+            return dict(family.samples[0].labels) if family.samples else {}
+    return {}
+
+
+def vllm_card(
+    url: str,
+    metrics_text: str,
+    models: Iterable[dict[str, object]],
+    kv_events: KVEventsEndpoint | None = None,
+    pid: int | None = None,
+) -> EngineCard | None:
+    """A vLLM server, from its ``/metrics`` text and its ``/v1/models`` cards; ``None``
+    if the metrics are not vLLM's."""
+    cache = vllm_cache_config(metrics_text)
+    if not cache:
+        return None
+    first = next(iter(models), {})
+    model = str(first.get("id") or "")
+    root = str(first.get("root") or model)  # the folder it loaded (its tokenizer's)
+    return EngineCard(
+        "vllm", url, model, _int(cache.get("block_size")), _int(cache.get("num_gpu_blocks")),
+        root or None, kv_events, pid,
+    )  # fmt: skip
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None

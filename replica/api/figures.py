@@ -1,0 +1,78 @@
+"""What any engine replica counted, ours or vLLM: requests, and its prefix cache's hits.
+
+Our replicas say it in their ``/stats`` (since their last reset); a vLLM server in its
+``/metrics`` (``vllm:request_success_total``, ``vllm:prefix_cache_queries_total`` and
+``vllm:prefix_cache_hits_total``, since it started: compare two readings). The bench
+and ``prefix-router status`` read both the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.api import stats as stats_codec
+from replica.api.stats import ReplicaStats
+
+#: vLLM's counters, by the name ``prometheus_client`` gives their family (no ``_total``).
+VLLM_COUNTERS = {
+    "vllm:request_success": "requests",
+    "vllm:prefix_cache_queries": "query_tokens",
+    "vllm:prefix_cache_hits": "hit_tokens",
+}
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """Requests answered, and prompt tokens looked up in the prefix cache and found."""
+
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+
+    @property
+    def token_hit_rate(self) -> float | None:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else None
+
+    def since(self, earlier: EngineFigures) -> EngineFigures:
+        """What was counted between ``earlier`` and this reading."""
+        return EngineFigures(
+            self.requests - earlier.requests,
+            self.query_tokens - earlier.query_tokens,
+            self.hit_tokens - earlier.hit_tokens,
+        )
+
+
+def from_stats(stats: ReplicaStats) -> EngineFigures:
+    return EngineFigures(stats.requests, stats.cache.query_tokens, stats.cache.hit_tokens)
+
+
+def from_vllm_metrics(text: str) -> EngineFigures | None:
+    """A vLLM server's counters (summed over their labels); ``None`` if not vLLM's."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        field = VLLM_COUNTERS.get(family.name)
+        if field is not None:
+            samples = [s.value for s in family.samples if s.name.endswith("_total")]
+            totals[field] = sum(samples)
+    if len(totals) < len(VLLM_COUNTERS):
+        return None
+    return EngineFigures(int(totals["requests"]), int(totals["query_tokens"]),
+                         int(totals["hit_tokens"]))  # fmt: skip
+
+
+def read_figures(client: httpx.Client, url: str) -> EngineFigures:
+    """The figures of the replica at ``url``: ours, or vLLM's; raises ``ValueError`` if it
+    is neither, ``httpx.HTTPError`` if it does not answer."""
+    answer = client.get(f"{url}/stats")
+    if answer.status_code == 200:
+        try:
+            return from_stats(stats_codec.decode(ReplicaStats, answer.content))
+        except ValueError:
+            pass  # a /stats of another kind: look for vLLM's metrics
+    figures = from_vllm_metrics(client.get(f"{url}/metrics").text)
+    if figures is None:
+        raise ValueError(f"{url} is neither a prefix-router replica nor a vLLM server")
+    return figures

@@ -1,0 +1,174 @@
+"""The gateway in front of real vLLM servers (vLLM's CPU build serving the tiny model):
+precise routing from vLLM's own KV events, each mismatch found and routed around, an
+evicted prefix no longer predicted, and a late gateway learning vLLM's cache from its
+replay socket."""
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from deploy import processes
+from replica.api.tokenizer import WORDS
+from tests.shared import vllm_backend, vllm_servers, wait_until_checked
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+SYLLABLES = [int(w).to_bytes(4, "little").decode() for w in WORDS]
+
+
+def text(seed: int, words: int = 1500) -> str:
+    """Words the tiny model's tokenizer holds whole: about one token each."""
+    rng = np.random.default_rng(seed)
+    return "".join(SYLLABLES[i] for i in rng.integers(0, len(SYLLABLES), words))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model):
+    with vllm_servers(tiny_model, 2) as started:
+        yield started
+
+
+@pytest.fixture
+def fresh(servers):
+    """Both servers with empty prefix caches."""
+    for server in servers:
+        assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    return servers
+
+
+@contextlib.contextmanager
+def gateway(log: Path, backends: list[str], *flags: str) -> Iterator[str]:
+    """A gateway in front of ``backends`` (its log, stderr, to ``log``)."""
+    port = processes.free_port()
+    command = ["gateway", *(f"--backend={b}" for b in backends), *flags]
+    with open(log, "w") as output:
+        process = processes.start(command, port, stderr=output)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            processes.wait_until(url, process)
+            yield url
+        finally:
+            processes.stop(process)
+
+
+def matching(model: Path, *more: str) -> tuple[str, ...]:
+    """The flags that make a gateway hash as these servers cache."""
+    return ("--model", str(model), "--tokenizer", str(model), "--block-size", "32", *more)
+
+
+def complete(url: str, model: Path, prompt: str) -> httpx.Response:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
+def cached(answer: httpx.Response) -> int:
+    return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def predicted(answer: httpx.Response) -> int:
+    return int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+
+
+def test_a_prefix_warmed_on_one_server_is_routed_there_and_predicted_exactly(
+    fresh, tiny_model, tmp_path
+):
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
+        stats = wait_until_checked(url, 2)
+        assert [b.routing_mode for b in stats.backends] == ["precise", "precise"]
+        assert {(b.engine, b.block_size) for b in stats.backends} == {("vllm", 32)}
+        warmed = fresh[1]
+        assert cached(complete(warmed.url, tiny_model, text(1))) == 0
+        for suffix in ("bal kes", "dit mon"):
+            answer = complete(url, tiny_model, text(1) + suffix)
+            assert answer.headers["x-prefix-router-replica"] == warmed.url
+            assert predicted(answer) == cached(answer) >= 1472  # vLLM's own figure, exactly
+        chat = [{"role": "system", "content": text(2)}, {"role": "user", "content": "bal"}]
+        body = {"model": str(tiny_model), "messages": chat, "max_tokens": 1}
+        first = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        chat.append({"role": "user", "content": "kes"})  # the next turn: the template agrees
+        second = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert predicted(second) == cached(second) > 1400 and predicted(first) == 0
+        (stats,) = [httpx.get(f"{url}/stats").json()]
+        counts = [c for b in stats["backends"] for c in b["by_policy"].values()]
+        assert sum(c["exact_predictions"] for c in counts) == sum(c["predictions"] for c in counts)
+
+
+def test_a_gateway_that_hashes_blocks_of_16_is_told_vllms_are_32(fresh, tiny_model, tmp_path):
+    log = tmp_path / "log"
+    flags = ("--model", str(tiny_model), "--tokenizer", str(tiny_model))  # block size: default
+    with gateway(log, [vllm_backend(s) for s in fresh], *flags) as url:
+        stats = wait_until_checked(url, 2)
+        assert [b.routing_mode for b in stats.backends] == ["approximate"] * 2
+        assert all("--block-size 32" in b.approximate_reason for b in stats.backends)
+        prompt = text(3)
+        first = complete(url, tiny_model, prompt)
+        second = complete(url, tiny_model, prompt + "bal")  # routed from its own decision
+        assert second.headers["x-prefix-router-replica"] == first.headers["x-prefix-router-replica"]
+        assert cached(second) >= 1472
+    lines = [line for line in log.read_text().splitlines() if "routed approximately" in line]
+    assert len(lines) == 2 and all("start the gateway with --block-size 32" in x for x in lines)
+
+
+def test_a_gateway_with_another_tokenizer_is_told_the_models(fresh, tiny_model, tmp_path):
+    flags = ("--model", str(tiny_model), "--block-size", "32")  # tokenizer: bytes4
+    with gateway(tmp_path / "log", [vllm_backend(fresh[0])], *flags) as url:
+        (backend,) = wait_until_checked(url).backends
+        assert backend.routing_mode == "approximate"
+        assert "tokenizes a canary completion differently" in backend.approximate_reason
+        assert f"--tokenizer {tiny_model}" in backend.approximate_reason
+
+
+def test_swapped_event_endpoints_are_found_by_the_canary(fresh, tiny_model, tmp_path):
+    """Each server named with the other's KV events: its canary's blocks never come."""
+    a, b = fresh
+    swapped = [vllm_backend(a).split(",")[0] + "," + vllm_backend(b).split(",", 1)[1],
+               vllm_backend(b).split(",")[0] + "," + vllm_backend(a).split(",", 1)[1]]  # fmt: skip
+    with gateway(tmp_path / "log", swapped, *matching(tiny_model)) as url:
+        stats = wait_until_checked(url, 2, timeout_s=60)
+        assert [s.routing_mode for s in stats.backends] == ["approximate"] * 2
+        for backend in stats.backends:  # each saw the other's canary, never its own
+            assert "key to other identities" in backend.approximate_reason
+            assert "check the backend's kv= endpoint" in backend.approximate_reason
+
+
+def test_a_server_named_without_its_events_is_routed_approximately(fresh, tiny_model, tmp_path):
+    with gateway(tmp_path / "log", [fresh[0].url], *matching(tiny_model)) as url:
+        (backend,) = wait_until_checked(url).backends
+        assert backend.routing_mode == "approximate"
+        assert "publishes no KV events" in backend.approximate_reason
+
+
+def test_a_prefix_vllm_evicted_is_no_longer_predicted(fresh, tiny_model, tmp_path):
+    """Its BlockRemoved events outrank the gateway's own recent decision to send it there."""
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
+        wait_until_checked(url, 2)
+        warm = complete(url, tiny_model, text(4))
+        holder = warm.headers["x-prefix-router-replica"]
+        for seed in range(10, 17):  # 10,500 new tokens straight to it: its 7,808 turn over
+            complete(holder, tiny_model, text(seed))
+        again = complete(url, tiny_model, text(4) + "bal")  # within recent_s (5 s) of the warm
+        assert predicted(again) == cached(again)
+        assert cached(again) == 0  # evicted everywhere: both predict and find nothing
+
+
+def test_a_gateway_that_joins_late_learns_vllms_cache_from_its_replay_socket(
+    fresh, tiny_model, tmp_path
+):
+    held = fresh[0]
+    complete(held.url, tiny_model, text(5))  # before any gateway exists
+    with gateway(tmp_path / "log", [vllm_backend(s) for s in fresh],
+                 *matching(tiny_model, "--stride", "1")) as url:  # fmt: skip
+        wait_until_checked(url, 2)
+        answer = complete(url, tiny_model, text(5) + "bal")
+        assert answer.headers["x-prefix-router-replica"] == held.url
+        assert predicted(answer) == cached(answer) >= 1472
+        stream = next(b["kv_stream"] for b in httpx.get(f"{url}/stats").json()["backends"]
+                      if b["url"] == held.url)  # fmt: skip
+        assert stream["replayed"] > 0
