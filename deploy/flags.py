@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -127,3 +128,28 @@ def _nested_type(field: dataclasses.Field) -> type | None:
 
 def _dest(prefix: str, name: str) -> str:
     return f"{prefix}{name}".replace("-", "_")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, engines: Sequence[str]) -> None:
+    """Which engine the replicas run (``engines``, the first the default), and vLLM's
+    own flags."""
+    parser.add_argument(
+        "--engine",
+        choices=engines,
+        default=engines[0],
+        help=f"{engines[0]}: the simulated engine (default); vllm: a vLLM server per "
+        "replica, serving --model PATH (a Hugging Face model folder)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="repeatable; vLLM's own flags, as vLLM names them, after ours so they win: "
+        "--engine-arg=--max-num-seqs=64, or --engine-arg='--kv-cache-memory-bytes 64M'",
+    )
+
+
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--engine-arg`` values, each split as a shell splits words."""
+    return tuple(word for text in args.engine_arg for word in shlex.split(text))

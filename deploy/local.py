@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -23,6 +24,7 @@ from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
+from replica.vllm_server import VLLMConfig, cores_of, cpu_build
 from router.app import create_app
 from router.config import GatewayConfig
 
@@ -63,7 +65,9 @@ def serve(
     try:
         actor = replica_actor(engine)
         handles = [
-            actor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(engine, host)
+            actor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(
+                on_one_machine(engine, i, replicas), host
+            )
             for i in range(replicas)
         ]
         cards = ready_cards(handles)
@@ -88,6 +92,14 @@ def serve(
         ray.shutdown()
         if sock is not None:
             sock.close()
+
+
+def on_one_machine(engine: EngineSpec, index: int, replicas: int) -> EngineSpec:
+    """Replica ``index``'s engine: vLLM's CPU build gets cores of its own, as it would
+    have a GPU of its own in a fleet (see ``VLLMConfig.cpus``)."""
+    if not isinstance(engine, VLLMConfig) or engine.cpus or not cpu_build():
+        return engine
+    return replace(engine, cpus=cores_of(index, replicas, len(os.sched_getaffinity(0))))
 
 
 def describe(card: EngineCard) -> str:

@@ -16,6 +16,11 @@ import uvicorn
 GRACEFUL_SHUTDOWN_S = 30
 #: How often an idle server looks at the clock (uvicorn's own: every 0.1 s).
 TICK_S = 1.0
+#: How long an idle kept-alive connection stays open. uvicorn's 5 s races with clients
+#: that pause about that long between requests (a chat user thinking): the server closes
+#: as the client sends, and the client sees a reset (a Locust "HTTP 0"). Load balancers
+#: keep connections 60 s (AWS's, nginx's 75 s): longer than any client pause here.
+KEEP_ALIVE_S = 75
 
 
 class Server(uvicorn.Server):
@@ -70,12 +75,14 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
 
 
 def uvicorn_config(app: Any, **options: Any) -> Any:
-    """Our servers' uvicorn settings: quiet (no access log), graceful on shutdown, and
-    no per-request work nobody reads (proxy headers, Server and Date headers)."""
+    """Our servers' uvicorn settings: quiet (no access log), graceful on shutdown, idle
+    connections kept long enough, and no per-request work nobody reads (proxy headers,
+    Server and Date headers)."""
     return uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
         proxy_headers=False,
         server_header=False,
         date_header=False,

@@ -44,6 +44,7 @@ from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig, Workload, load_workload
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
+from replica.api.figures import EngineFigures, read_figures
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.stats import ReplicaStats
 from router.latency import percentile
@@ -108,24 +109,23 @@ class BenchConfig:
 
 @contextlib.contextmanager
 def embedded(
-    replicas: int, replica_flags: Sequence[str] = (), gateways: int = 1
+    replicas: int, serve_flags: Sequence[str] = (), gateways: int = 1, timeout_s: float = 600.0
 ) -> Iterator[list[str]]:
     """``prefix-router serve`` (local Ray, N replica actors, gateways on consecutive
-    ports) for the bench; the gateways' URLs."""
+    ports) for the bench; the gateways' URLs, once each has checked every replica."""
     port = processes.free_ports(gateways)
     command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways),
-               "--separate-ports", *replica_flags]  # fmt: skip
+               "--separate-ports", *serve_flags]  # fmt: skip
     process = processes.start(command, port)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(gateways)]
+
+    def ready(answer: httpx.Response) -> bool:
+        backends = answer.json()["backends"] if answer.status_code == 200 else []
+        return len(backends) == replicas and all(b["routing_mode"] != "checking" for b in backends)
+
     try:
         for url in urls:
-            processes.wait_until(
-                url,
-                process,
-                ready=lambda r: r.status_code == 200 and len(r.json()["backends"]) == replicas,
-                path="/stats",
-                timeout_s=180,
-            )
+            processes.wait_until(url, process, ready, path="/stats", timeout_s=timeout_s)
         yield urls
     finally:
         processes.stop(process)
@@ -191,11 +191,21 @@ class Fleet:
         )
 
 
-def discover(client: httpx.Client, gateways: list[str]) -> Fleet:
+def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:
+    """What the target is; our gateways once they have checked every replica (a check's
+    canary prompt, answered during a run, would count in it)."""
     every = [gateway_stats(client, url) for url in gateways]
     stats = every[0]
     if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
         return Fleet(gateways, None, {url: _replica_config(client, url) for url in gateways})
+    deadline = time.monotonic() + checks_s
+    while any(b.routing_mode == "checking" for g in every if g for b in g.backends):
+        if time.monotonic() > deadline:
+            print("warning: a gateway is still checking its replicas", file=sys.stderr)
+            break
+        time.sleep(0.2)
+        every = [gateway_stats(client, url) for url in gateways]
+    stats = every[0] or stats
     urls = [b.url for b in stats.backends]
     return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls})
 
@@ -223,32 +233,42 @@ def _replica_config(client: httpx.Client, url: str) -> ReplicaConfig | None:
 
 
 def reset(client: httpx.Client, fleet: Fleet, timeout_s: float = 120.0) -> bool:
-    """Empty every replica's cache and statistics; True if all of them did.
+    """Empty every replica's cache (and our replicas' statistics); True if all did.
 
-    Ours answer ``POST /reset`` (409 while requests are in flight: wait); vLLM
-    has ``/reset_prefix_cache`` and SGLang ``/flush_cache``.
+    Ours answer ``POST /reset`` (409 while requests are in flight), vLLM
+    ``/reset_prefix_cache`` (``{"success": false}`` while blocks are held), SGLang
+    ``/flush_cache``; a busy replica is asked again until ``timeout_s``.
     """
     done = []
     for url in fleet.replicas:
         deadline = time.monotonic() + timeout_s
-        while True:
-            status = _post_status(client, f"{url}/reset")
-            if status != 409 or time.monotonic() > deadline:
-                break
+        outcome = _reset(client, url)
+        while outcome is False and time.monotonic() < deadline:
             time.sleep(0.5)
-        if status == 404:
-            status = max(
-                _post_status(client, f"{url}/{p}") for p in ("reset_prefix_cache", "flush_cache")
-            )
-        done.append(status == 200)
+            outcome = _reset(client, url)
+        done.append(bool(outcome))
     return bool(done) and all(done)
 
 
-def _post_status(client: httpx.Client, url: str) -> int:
+def _reset(client: httpx.Client, url: str) -> bool | None:
+    """True: emptied; False: busy, ask again; None: it cannot be emptied."""
+    answer = _post(client, f"{url}/reset")
+    if answer is None or answer.status_code not in (404, 405):
+        return None if answer is None else {200: True, 409: False}.get(answer.status_code)
+    vllm = _post(client, f"{url}/reset_prefix_cache")
+    if vllm is not None and vllm.status_code == 200:
+        with contextlib.suppress(ValueError):
+            return bool(vllm.json().get("success", True))
+        return True
+    sglang = _post(client, f"{url}/flush_cache")
+    return True if sglang is not None and sglang.status_code == 200 else None
+
+
+def _post(client: httpx.Client, url: str) -> httpx.Response | None:
     try:
-        return client.post(url).status_code
+        return client.post(url)
     except httpx.HTTPError:
-        return 0
+        return None
 
 
 def switch_policy(client: httpx.Client, fleet: Fleet, policy: str) -> None:
@@ -327,6 +347,15 @@ def run_locust(
     return LocustRun(requests, failures, elapsed, client_figures, busy, peak, timeline)
 
 
+def engine_figures(client: httpx.Client, fleet: Fleet) -> dict[str, EngineFigures]:
+    """What each replica counted (ours or vLLM), by URL; those that did not answer left out."""
+    figures = {}
+    for url in fleet.replicas:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            figures[url] = read_figures(client, url)
+    return figures
+
+
 def _replicas_now(client: httpx.Client, fleet: Fleet) -> list[ReplicaStats]:
     """Every replica's stats, or none if one did not answer (a sample is all or nothing)."""
     every = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
@@ -334,10 +363,12 @@ def _replicas_now(client: httpx.Client, fleet: Fleet) -> list[ReplicaStats]:
 
 
 def _dispatched(client: httpx.Client, fleet: Fleet, replicas: Sequence[ReplicaStats] = ()) -> int:
-    """Requests sent so far: our gateways count them; behind another router, our
-    replicas do (since their reset)."""
+    """Requests sent so far: our gateways count them; behind another router, the
+    replicas do (ours since their reset, vLLM since it started)."""
     if not fleet.ours:
-        return sum(r.requests for r in replicas)
+        if replicas:
+            return sum(r.requests for r in replicas)
+        return sum(f.requests for f in engine_figures(client, fleet).values())
     every = [gateway_stats(client, url) for url in fleet.gateways]
     return sum(b.dispatched for stats in every if stats for b in stats.backends)
 
@@ -354,16 +385,21 @@ def _locust_counts(path: Path) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The gateways' and the replicas' statistics at one moment (none: not ours)."""
+    """The gateways' and the replicas' statistics at one moment (none: not ours), and
+    what every replica counted (ours or vLLM: :class:`EngineFigures`), by URL."""
 
     gateways: list[GatewayStats]
     replicas: list[ReplicaStats]
+    engines: dict[str, EngineFigures] = field(default_factory=dict)
 
 
 def snapshot(client: httpx.Client, fleet: Fleet) -> Snapshot:
     gateways = [gateway_stats(client, url) for url in fleet.gateways] if fleet.ours else []
     replicas = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
-    return Snapshot([g for g in gateways if g], [r for r in replicas if r is not None])
+    return Snapshot(
+        [g for g in gateways if g], [r for r in replicas if r is not None],
+        engine_figures(client, fleet),
+    )  # fmt: skip
 
 
 def live_row(
@@ -374,7 +410,12 @@ def live_row(
     before: Snapshot,
     after: Snapshot,
 ) -> Row:
-    per_replica = [r.requests for r in after.replicas] or _gateway_requests(before, after)
+    counted = _engine_counts(before, after)
+    per_replica = (
+        [r.requests for r in after.replicas]
+        or [f.requests for f in counted.values()]
+        or _gateway_requests(before, after)
+    )
     client = run.client
     ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
     first = next((c for c in fleet.replicas.values() if c), None)
@@ -394,6 +435,7 @@ def live_row(
         throughput_rps=run.requests / run.elapsed_s,
         imbalance=max(per_replica) / np.mean(per_replica) if sum(per_replica) else None,
         prediction_accuracy=live_prediction_accuracy(before, after, policy),
+        **prediction_shares(before, after, policy),
         requests_per_replica=per_replica,
         client_token_hit_rate=client.get("client_token_hit_rate"),
         client_prompt_tokens=client.get("prompt_tokens"),
@@ -403,7 +445,12 @@ def live_row(
         cpu_busy=run.cpu_busy,
         cpu_busy_peak=run.cpu_busy_peak,
     )
-    row.update(_hit_figures(after.replicas) if after.replicas else _client_hit_figures(client))
+    if after.replicas:
+        row.update(_hit_figures(after.replicas))
+    elif counted:
+        row.update(_engine_hit_figures(list(counted.values())))
+    else:
+        row.update(_client_hit_figures(client))
     row.update(_event_latency(after))
     return row
 
@@ -438,6 +485,24 @@ def _hit_figures(replicas: list[ReplicaStats]) -> Row:
     }
 
 
+def _engine_counts(before: Snapshot, after: Snapshot) -> dict[str, EngineFigures]:
+    """What each replica counted during the run (vLLM's counters never reset), when
+    every replica answered both times."""
+    if not after.engines or set(after.engines) != set(before.engines):
+        return {}
+    return {url: now.since(before.engines[url]) for url, now in after.engines.items()}
+
+
+def _engine_hit_figures(counted: list[EngineFigures]) -> Row:
+    """Hits as the engines counted them (vLLM: its prefix cache's counters)."""
+    prompt, cached = sum(f.query_tokens for f in counted), sum(f.hit_tokens for f in counted)
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "token_hit_rate": cached / prompt if prompt else None,
+    }
+
+
 def _client_hit_figures(client: dict[str, Any]) -> Row:
     """Not our replicas: the usage blocks the clients read are all there is."""
     return {
@@ -455,6 +520,24 @@ def _gateway_requests(before: Snapshot, after: Snapshot) -> list[int]:
 
     now, then = by_replica(after), by_replica(before)
     return [now[replica] - then[replica] for replica in sorted(now)]
+
+
+def prediction_shares(before: Snapshot, after: Snapshot, policy: str) -> Row:
+    """Of this run's predictions: the share the engines' figures matched exactly, those
+    within one KV block, and those that predicted more cached tokens than were found."""
+    keys = ("prediction_exact", "prediction_within_block", "prediction_over")
+    if not before.gateways or not after.gateways:
+        return dict.fromkeys(keys)
+
+    def counts(snap: Snapshot) -> list[int]:
+        every = [c for g in snap.gateways for c in g.by_policy(policy)]
+        fields = ("predictions", "exact_predictions", "block_predictions", "over_predictions")
+        return [sum(getattr(c, name) for c in every) for name in fields]
+
+    made, *shares = (now - then for now, then in zip(counts(after), counts(before), strict=True))
+    return {
+        key: share / made if made > 0 else None for key, share in zip(keys, shares, strict=True)
+    }
 
 
 def live_prediction_accuracy(before: Snapshot, after: Snapshot, policy: str) -> float | None:
@@ -567,7 +650,7 @@ def run_behind_sglang(
 ) -> tuple[Row, LocustRun]:
     """The same run with SGLang's router in front of the same replicas, started for
     this row and stopped after it (an error included)."""
-    workers = [url for url, replica in fleet.replicas.items() if replica]
+    workers = list(fleet.replicas)
     print(f"bench: starting SGLang's router in front of {len(workers)} replicas…", file=sys.stderr)
     with sglang.sglang_router(workers, log=out / f"{sglang.LABEL}.log") as router:
         return run_policy(client, config, fleet.behind(router), sglang.LABEL, workload, out)

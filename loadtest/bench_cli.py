@@ -5,25 +5,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from deploy.flags import add_config_flags, config_flags, config_overrides
+from deploy.flags import (
+    add_config_flags,
+    add_engine_flags,
+    config_flags,
+    config_overrides,
+    engine_args,
+)
 from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
 from loadtest.report import Row, command_line, format_table, version, write_json
 from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig
+from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
 
 TABLE_KEYS = (
     "label", "requests", "failures", "token_hit_rate", "host_hit_rate", "client_token_hit_rate",
     "replay_token_hit_rate", "block_hit_rate", "evictions", "ttft_p50_s", "ttft_p90_s",
     "ttft_p99_s", "replay_ttft_p50_s", "replay_ttft_p99_s", "e2e_p50_s", "throughput_rps",
-    "imbalance", "prediction_accuracy", "cpu_busy",
+    "imbalance", "prediction_accuracy", "prediction_exact", "prediction_within_block",
+    "prediction_over", "cpu_busy",
 )  # fmt: skip
 
 READING = """\
@@ -41,7 +50,9 @@ every replica's cache was emptied:
   the gateway; `e2e_p50_s` the whole answer.
 - `imbalance`: the busiest replica's requests over the mean (1.00 is even).
 - `prediction_accuracy`: share of requests whose cached tokens the gateway predicted
-  within one router stride (64 tokens) of the engine's figure.
+  within one router stride (64 tokens) of the engine's figure; `prediction_exact`,
+  `prediction_within_block` and `prediction_over` the shares it predicted exactly,
+  within one KV block, and above the engine's figure.
 - `cpu_busy`: mean share of this machine's CPUs in use during the run (all
   processes: Locust, gateway, replicas). Near 100% the machine, not the simulated
   GPUs, would set the latencies.
@@ -86,7 +97,20 @@ def add_bench_parser(commands: Any) -> None:
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
     parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=BenchConfig().model, help="the model requests name")
+    parser.add_argument(
+        "--model",
+        default=BenchConfig().model,
+        help="the model requests name; with --engine vllm, the model folder the replicas serve",
+    )
+    add_engine_flags(parser, ENGINES)
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="repeatable; more flags for the embedded `prefix-router serve`, such as the "
+        "gateway's: --serve-arg='--stride 1'",
+    )
     parser.add_argument("--users", type=int, default=BenchConfig().users)
     parser.add_argument(
         "--run-time",
@@ -109,6 +133,8 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = tuple(p for p in args.policies.split(",") if p)
     if args.with_sglang and sglang.LABEL not in policies:
         policies += (sglang.LABEL,)
+    if args.engine == "vllm" and Path(args.model).is_dir():  # as `serve` will name it
+        args.model = str(Path(args.model).resolve())
     config = BenchConfig(
         policies=policies,
         model=args.model,
@@ -152,11 +178,13 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
         urls = bench.cluster_gateways(args.address)
         yield urls, f"Ray cluster {args.address}, {_gateways_text(urls)}"
     else:
-        flags = _replica_flags(args)
-        print(f"bench: starting {args.replicas} replicas, {args.gateways} gateway(s)…",
-              file=sys.stderr)  # fmt: skip
+        flags = _serve_flags(args)
+        print(f"bench: starting {args.replicas} {args.engine} replicas, {args.gateways} "
+              "gateway(s)…", file=sys.stderr)  # fmt: skip
         with bench.embedded(args.replicas, flags, args.gateways) as urls:
-            yield urls, f"embedded deployment, {args.replicas} replicas, {_gateways_text(urls)}"
+            engine = "" if args.engine == "sim" else f"{args.engine} "
+            replicas = f"{args.replicas} {engine}replicas"
+            yield urls, f"embedded deployment, {replicas}, {_gateways_text(urls)}"
 
 
 def _gateways_text(urls: list[str]) -> str:
@@ -165,14 +193,21 @@ def _gateways_text(urls: list[str]) -> str:
     return f"{len(urls)} gateways ({', '.join(urls)}), requests spread at random"
 
 
-def _replica_flags(args: argparse.Namespace) -> list[str]:
-    """The ``serve`` flags for the embedded replicas: the user's, else the bench's sizes
-    for its chat workload (traces get what the profile's hardware holds)."""
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The embedded ``serve``'s flags: a vLLM fleet's model and flags, or the simulated
+    replicas' (the user's, else the bench's sizes for its chat workload; traces get what
+    the profile's hardware holds); then the user's own."""
+    more = [word for text in args.serve_arg for word in shlex.split(text)]
+    if args.engine == "vllm":
+        if args.model == BenchConfig().model:
+            raise ValueError("--engine vllm needs --model PATH, the model folder to serve")
+        vllm = ["--engine", "vllm", "--model", args.model]
+        return [*vllm, *(f"--engine-arg={arg}" for arg in engine_args(args)), *more]
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
     if args.workload == "chat":
         overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)
         overrides.setdefault("host_blocks", bench.BENCH_HOST_BLOCKS)
-    return config_flags(overrides, prefix="replica-")
+    return [*config_flags(overrides, prefix="replica-"), *more]
 
 
 def write_report(

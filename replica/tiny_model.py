@@ -88,7 +88,8 @@ def write_tiny_model(folder: Path, config: TinyModelConfig | None = None) -> Pat
     stops = [tokenizer_ids[EOS], tokenizer_ids[EOT]]
     generation = {"bos_token_id": tokenizer_ids[BOS], "eos_token_id": stops}
     _write_json(folder / "generation_config.json", generation)
-    write_safetensors(folder / "model.safetensors", _weights(config))
+    words = _word_tokens(folder / "tokenizer.json", config.vocab_size)
+    write_safetensors(folder / "model.safetensors", _weights(config, words))
     _write_json(folder / "prefix_router_tiny_model.json", asdict(config))
     return folder
 
@@ -160,8 +161,25 @@ def _model_config(config: TinyModelConfig, ids: dict[str, Any]) -> dict[str, obj
     }
 
 
-def _weights(config: TinyModelConfig) -> dict[str, np.ndarray]:
-    """Random weights as a Llama checkpoint names them (normal, std 0.02; norms 1)."""
+def _word_tokens(tokenizer_file: Path, size: int) -> np.ndarray:
+    """Whether each of ``size`` token ids is a whole word after a space (``Ġbal``): what
+    the model may say. Ids the tokenizer does not use (its training stops once every word
+    of the corpus is one token, short of ``size``) are not words: never said."""
+    vocabulary = json.loads(tokenizer_file.read_text())["model"]["vocab"]
+    words = np.zeros(size, dtype=bool)
+    for token, token_id in vocabulary.items():
+        if token_id < size:
+            words[token_id] = token[:1] == "Ġ" and token[1:].isalpha() and token[1:].isascii()
+    return words
+
+
+def _weights(config: TinyModelConfig, words: np.ndarray) -> dict[str, np.ndarray]:
+    """Random weights as a Llama checkpoint names them (normal, std 0.02; norms 1), and
+    one hidden dimension kept for what it says: every embedding carries +1 there, which
+    the layers' small outputs hardly move, so the final norm makes it about sqrt(hidden)
+    (16); the LM head reads it as +1 for words and -1 for every other token (special
+    tokens, byte fragments), which puts those e^32 times less likely. So a reply is
+    always words that decode to text, one per token, as the simulated engine's are."""
     rng = np.random.default_rng(config.seed)
     hidden, inner, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads
     kv_width = kv * config.head_dim
@@ -169,7 +187,9 @@ def _weights(config: TinyModelConfig) -> dict[str, np.ndarray]:
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(0.0, 0.02, shape).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": normal(config.vocab_size, hidden)}
+    embeddings = normal(config.vocab_size, hidden)
+    embeddings[:, 0] = 1.0
+    weights = {"model.embed_tokens.weight": embeddings}
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         weights |= {
@@ -184,7 +204,9 @@ def _weights(config: TinyModelConfig) -> dict[str, np.ndarray]:
             f"{prefix}.post_attention_layernorm.weight": np.ones(hidden, np.float32),
         }
     weights["model.norm.weight"] = np.ones(hidden, np.float32)
-    weights["lm_head.weight"] = normal(config.vocab_size, hidden)
+    head = normal(config.vocab_size, hidden)
+    head[:, 0] = np.where(words, 1.0, -1.0)
+    weights["lm_head.weight"] = head
     return weights
 
 

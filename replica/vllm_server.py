@@ -45,17 +45,20 @@ CPU_DEFAULTS = (
 #: The CPU build's environment: threads left unpinned (pinned, several servers on one
 #: machine fight for the same cores).
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-#: What runs vLLM: a small guard in the server's process group. vLLM's server is two
-#: processes (its API server and its engine core), and a crash of the first leaves the
-#: second holding the ports and the memory. The guard runs the server, and when the
-#: server exits, or the guard is told to stop (SIGTERM, also sent by the kernel when its
-#: owner dies: Linux's parent-death signal), it lets vLLM shut down for a moment, then
-#: kills what is left of the group, itself included: no part of a server outlives it.
+#: What runs vLLM: a small guard in the server's process group, on the server's cores.
+#: vLLM's server is several processes (its API server, its engine core, the CPU build's
+#: worker), and a crash of the first leaves the others holding the ports and the memory.
+#: The guard runs the server, and when the server exits, or the guard is told to stop
+#: (SIGTERM, also sent by the kernel when its owner dies: Linux's parent-death signal),
+#: it lets vLLM shut down for a moment, then kills what is left of the group, itself
+#: included: no part of a server outlives it.
 GUARD = """\
 import ctypes, os, signal, subprocess, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: told when the owner dies
 if os.getppid() != int(sys.argv[1]):
     sys.exit(1)  # the owner died before this line
+if os.environ.get("PREFIX_ROUTER_CPUS"):  # the server's cores, inherited by its processes
+    os.sched_setaffinity(0, {int(c) for c in os.environ["PREFIX_ROUTER_CPUS"].split(",")})
 server = subprocess.Popen(sys.argv[2:])
 def end(*_):
     server.terminate()
@@ -82,12 +85,20 @@ class VLLMConfig:
     engine_args: tuple[str, ...] = ()
     #: Loading, profiling and warming up may take this long before a start has failed.
     startup_timeout_s: float = 300.0
+    #: On vLLM's CPU build, the cores the server runs on, one OpenMP thread each (empty:
+    #: every core). Servers sharing a machine get cores of their own, as each would have
+    #: its own GPU in a fleet: oversubscribed, their spinning threads made 32 cold
+    #: prompts on two servers and two cores 2.7 times slower; and sharing every core,
+    #: a server given all the traffic ran faster than two given half each.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a vLLM replica needs a model (--model PATH)")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+        if any(cpu < 0 for cpu in self.cpus):
+            raise ValueError(f"cpus must be core numbers, got {self.cpus}")
         if Path(self.model).is_absolute() and not Path(self.model).is_dir():
             raise ValueError(f"model folder {self.model!r} not found")
 
@@ -148,6 +159,9 @@ class VLLMServer:
 
     def environment(self, workdir: Path) -> dict[str, str]:
         env = {**os.environ, **(CPU_ENV if cpu_build() else {})}
+        if cpu_build() and self.config.cpus:
+            env["PREFIX_ROUTER_CPUS"] = ",".join(map(str, self.config.cpus))
+            env["OMP_NUM_THREADS"] = str(len(self.config.cpus))
         env |= {
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
             "TMPDIR": str(workdir / "tmp"),
@@ -199,10 +213,8 @@ class VLLMServer:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                code = self.process.returncode if self.process else None
-                raise RuntimeError(
-                    f"vLLM server {self.url} exited with {code} while starting:\n{self.log_tail()}"
-                )
+                raise RuntimeError(f"vLLM server {self.url} stopped while starting: "
+                                   f"{self.log_tail()}")  # fmt: skip
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return
@@ -263,7 +275,8 @@ class VLLMServer:
         if self.workdir is None or not (self.workdir / "server.log").exists():
             return ""
         text = (self.workdir / "server.log").read_text(errors="replace").splitlines()
-        cause = next((line for line in text if " ERROR " in line), None)  # vLLM's log level
+        errors = [line for line in text if " ERROR " in line]  # vLLM's log level
+        cause = next((line for line in errors if "Error: " in line), errors[0] if errors else None)
         tail = text[-lines:]
         return "\n".join([cause, "...", *tail] if cause and cause not in tail else tail)
 
@@ -276,3 +289,11 @@ class VLLMServer:
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signum)
+
+
+def cores_of(index: int, servers: int, cores: int) -> tuple[int, ...]:
+    """The cores of server ``index`` of ``servers`` sharing a machine's ``cores``: an
+    equal share each, or one core per server, round robin, when there are more servers."""
+    if servers <= cores:
+        return tuple(range(index * cores // servers, (index + 1) * cores // servers))
+    return (index % cores,)

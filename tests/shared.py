@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from deploy.processes import free_port
 from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import TOKEN_DTYPE
-from replica.vllm_server import Ports, VLLMConfig, VLLMServer
+from replica.vllm_server import Ports, VLLMConfig, VLLMServer, cores_of
 from router.stats import GatewayStats
 
 #: The first 400 requests of ../shared/traces/mooncake_conversation.jsonl (see data/README.md).
@@ -136,10 +137,14 @@ def vllm_servers(
 ) -> Iterator[list[VLLMServer]]:
     """``count`` vLLM servers of ``model`` on free loopback ports, started together and
     stopped (with their work folders) however the caller ends."""
-    config = VLLMConfig(str(model), engine_args)
+    cores = len(os.sched_getaffinity(0))
     servers = [
-        VLLMServer(config, "127.0.0.1", Ports(free_port(), free_port(), free_port()))
-        for _ in range(count)
+        VLLMServer(
+            VLLMConfig(str(model), engine_args, cpus=cores_of(i, count, cores)),
+            "127.0.0.1",
+            Ports(free_port(), free_port(), free_port()),
+        )
+        for i in range(count)
     ]
     try:
         for server in servers:

@@ -58,6 +58,10 @@ class ReplicaView:
     token_hit_rate: float | None
     #: Router keys the policy's index holds for it (``None``: no index).
     index_keys: int | None
+    #: How the router knows its cache (``checking``, ``precise``, ``approximate``), and
+    #: why approximately: what differs from the gateway, and the flag that fixes it.
+    routing_mode: str = "checking"
+    approximate_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ def _replica_view(
         cache.host_num_blocks if cache else None, cache.host_cached_blocks if cache else None,
         cache.token_hit_rate if cache else None,
         index.num_entries(name) if index else None,
+        backend.routing_mode, backend.approximate_reason,
     )  # fmt: skip
 
 

@@ -85,6 +85,7 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
         assert status.returncode == 0, status.stderr
         lines = [line for line in status.stdout.splitlines() if line.startswith("replica-")]
         assert len(lines) == 2 and all(" ok " in line for line in lines)
+        assert all(line.endswith("precise") for line in lines)  # how gateway-0 routes them
         (front,) = [line for line in status.stdout.splitlines() if line.startswith("gateway-0")]
         assert gateway in front and " ok " in front and front.split()[-2] == "2"  # requests
         first_url = lines[0].split()[2]
@@ -106,6 +107,15 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
     after = prefix_router("status", "--address", "auto")
     assert "gateway: not running" in after.stdout
     assert not [line for line in after.stdout.splitlines() if line.startswith("replica-")]
+
+
+def test_vllm_replicas_without_gpus_take_a_node_each(head, tiny_model):
+    """A CPU server takes every core of its node: this one-node cluster holds one."""
+    done = prefix_router("up", "--address", "auto", "--engine", "vllm", "--model",
+                         str(tiny_model), "--replicas", "2")  # fmt: skip
+    assert done.returncode == 2
+    assert "one vLLM replica per node (it takes every core), and the cluster has 1" in done.stderr
+    assert "replica-" not in prefix_router("status", "--address", "auto").stdout
 
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):

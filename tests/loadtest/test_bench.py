@@ -12,6 +12,7 @@ import pytest
 
 from deploy.processes import running
 from loadtest.bench import BenchConfig
+from tests.shared import VLLM_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +142,25 @@ def test_bench_against_a_plain_openai_server_runs_one_labelled_policy(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = check_report(tmp_path, ["one_server"])
     assert row["replicas"] == 1 and row["imbalance"] == 1.0
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_bench_engine_vllm_puts_three_routers_in_front_of_real_vllm_servers(tmp_path, tiny_model):
+    """`make demo-vllm` in small: round robin, SGLang's router and ours, each in front of
+    the same two vLLM servers, hits counted by vLLM itself and by its answers."""
+    policies = ["round_robin", "sglang_router", "cache_aware"]
+    done = bench(
+        tmp_path, "--engine", "vllm", "--model", str(tiny_model), "--replicas", "2",
+        "--policies", ",".join(policies), "--serve-arg=--stride 1",
+        f"--engine-arg={' '.join(VLLM_ARGS)}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 vllm replicas" in done.stderr
+    rows = check_report(tmp_path, policies, replayed=False)
+    ours = rows[2]
+    assert ours["prediction_exact"] >= 0.95 and ours["prediction_over"] <= 0.05
+    assert rows[0]["prediction_exact"] is None and rows[1]["prediction_exact"] is None
+    assert all(r["replicas"] == 2 or r["policy"] is None for r in rows)
+    leftover = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, check=False)
+    assert leftover.stdout == b""

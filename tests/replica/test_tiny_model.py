@@ -53,7 +53,19 @@ def test_the_folder_is_a_llama_checkpoint_with_every_weight_in_bfloat16(folder):
     assert sum(t.size for t in tensors.values()) == TinyModelConfig().parameters == 6_457_600
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 64, 256)
     assert np.all(tensors["model.norm.weight"] == 1.0)
-    assert 0.015 < float(np.std(tensors["lm_head.weight"])) < 0.025  # initialised as HF does
+    head = tensors["lm_head.weight"]
+    assert 0.015 < float(np.std(head[:, 1:])) < 0.025  # initialised as HF does
+    # ...but for the dimension that says what it may say: whole words, never special
+    # tokens, byte fragments or ids the tokenizer leaves unused.
+    tokenizer = load_tokenizer(str(folder))
+    says = np.flatnonzero(head[:, 0] > 0)
+    assert np.all(tensors["model.embed_tokens.weight"][:, 0] == 1.0)
+    assert set(head[:, 0].tolist()) == {1.0, -1.0} and len(says) > 2000
+    texts = [tokenizer.decode([int(t)]) for t in says]
+    assert all(text.startswith(" ") and text[1:].isalpha() for text in texts)
+    assert tokenizer.tokenizer.token_to_id(BOS) not in says
+    unused = range(tokenizer.tokenizer.get_vocab_size(), 8000)  # past the trained tokens
+    assert unused and not set(unused) & set(says.tolist())
 
 
 def test_bfloat16_rounds_to_nearest_even():

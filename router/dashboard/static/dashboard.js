@@ -93,7 +93,16 @@ function renderReplicas(view) {
     cell("outstanding_prefill_tokens", r.outstanding_prefill_tokens, int(r.outstanding_prefill_tokens)),
     cell("dispatched", r.dispatched, int(r.dispatched)),
     cell("index_keys", r.index_keys, int(r.index_keys)),
+    routing(r),
   ]);
+}
+
+// How the router knows the replica's cache; why approximately, on hover.
+function routing(r) {
+  const approximate = r.routing_mode === "approximate";
+  const td = cell("routing_mode", r.routing_mode, r.routing_mode, approximate ? "down" : "");
+  if (approximate) td.title = r.approximate_reason;
+  return td;
 }
 
 function renderPolicies(view) {

@@ -102,6 +102,7 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
         assert cell(browser, row, "dispatched")[0] == str(backend.dispatched)
         assert cell(browser, row, "outstanding_requests")[0] == "0"
         assert cell(browser, row, "outstanding_prefill_tokens")[0] == "0"
+        assert cell(browser, row, "routing_mode")[0] == backend.routing_mode == "precise"
         own = replica_stats(replica_url).cache
         assert cell(browser, row, "gpu_cached_blocks")[1] == str(own.cached_blocks)
         assert cell(browser, row, "host_cached_blocks")[1] == str(own.host_cached_blocks)
