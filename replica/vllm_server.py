@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -122,11 +123,9 @@ def cpu_build() -> bool:
 
 
 def vllm_installed() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # Found, not imported: importing vLLM takes seconds and imports torch, whose
+    # inductor leaves a folder in the temporary directory.
+    return importlib.util.find_spec("vllm") is not None
 
 
 class VLLMServer:
