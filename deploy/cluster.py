@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX, numbered
-from deploy.replicas import EngineSpec, ready_cards, replica_actor
+from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
 from replica.api.card import EngineCard
 from replica.api.figures import read_figures
 from replica.vllm_server import VLLMConfig
@@ -176,8 +176,10 @@ def _probe(
 
 
 def down() -> int:
-    """Remove every gateway and replica actor; return how many actors were removed."""
-    names = gateway_names() + replica_names()
-    for name in names:
+    """Remove every gateway and replica actor; return how many actors were removed. The
+    replicas are stopped first, so that a vLLM server ends with its files removed."""
+    gateways, replicas = gateway_names(), replica_names()
+    for name in gateways:
         ray.kill(ray.get_actor(name), no_restart=True)
-    return len(names)
+    stop_replicas([ray.get_actor(name) for name in replicas])
+    return len(gateways) + len(replicas)

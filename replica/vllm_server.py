@@ -52,7 +52,9 @@ CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 #: The guard runs the server, and when the server exits, or the guard is told to stop
 #: (SIGTERM, also sent by the kernel when its owner dies: Linux's parent-death signal),
 #: it lets vLLM shut down for a moment, then kills what is left of the group, itself
-#: included: no part of a server outlives it.
+#: included: no part of a server outlives it. The guard itself may be killed outright
+#: (Ray SIGKILLs an actor's children when the actor is killed): the server then gets
+#: its own parent-death signal, SIGTERM, and shuts down its engine core as vLLM does.
 GUARD = """\
 import ctypes, os, signal, subprocess, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: told when the owner dies
@@ -60,7 +62,8 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit(1)  # the owner died before this line
 if os.environ.get("PREFIX_ROUTER_CPUS"):  # the server's cores, inherited by its processes
     os.sched_setaffinity(0, {int(c) for c in os.environ["PREFIX_ROUTER_CPUS"].split(",")})
-server = subprocess.Popen(sys.argv[2:])
+told = lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # when the guard dies
+server = subprocess.Popen(sys.argv[2:], preexec_fn=told)
 def end(*_):
     server.terminate()
     try:
@@ -71,6 +74,9 @@ signal.signal(signal.SIGTERM, end)
 server.wait()
 end()
 """
+#: A server's work folder (its log, vLLM's temporary and cache files) in the temporary
+#: directory, and the file in it naming its guard's process.
+WORK_PREFIX, OWNER_FILE = "prefix-router-vllm-", "guard.pid"
 #: Lines of a failed server's log quoted in the error.
 LOG_TAIL_LINES = 30
 
@@ -187,7 +193,8 @@ class VLLMServer:
         if self.process is not None:  # what a crash may have left of the last one
             _signal_group(self.process, signal.SIGKILL)
         self._clean_up()
-        self.workdir = Path(tempfile.mkdtemp(prefix="prefix-router-vllm-"))
+        remove_orphaned_folders()
+        self.workdir = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
         (self.workdir / "tmp").mkdir()
         with open(self.workdir / "server.log", "w") as log:  # the child keeps its own copy
             self.process = subprocess.Popen(
@@ -198,6 +205,7 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stopped with every child
             )
+        (self.workdir / OWNER_FILE).write_text(str(self.process.pid))
 
     def wait_ready(self) -> None:
         """Until the server answers ``/health``; raises ``RuntimeError`` quoting its log
@@ -283,6 +291,18 @@ class VLLMServer:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+def remove_orphaned_folders() -> None:
+    """Remove the work folders of servers whose guard is gone without cleaning up (its
+    owner killed outright): the next server started on the machine sweeps them."""
+    for folder in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
+        try:
+            os.kill(int((folder / OWNER_FILE).read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):
+            pass  # still being made, or not ours to judge
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:

@@ -5,18 +5,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 from deploy.processes import free_port
 from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import TOKEN_DTYPE
-from replica.vllm_server import Ports, VLLMConfig, VLLMServer, cores_of
+from replica.vllm_server import WORK_PREFIX, Ports, VLLMConfig, VLLMServer, cores_of
 from router.stats import GatewayStats
 
 #: The first 400 requests of ../shared/traces/mooncake_conversation.jsonl (see data/README.md).
@@ -161,3 +163,18 @@ def vllm_backend(server: VLLMServer) -> str:
     """The gateway's ``--backend`` for a vLLM server: its URL and its KV events' sockets."""
     events = server.kv_events
     return f"{server.url},kv={events.endpoint},replay={events.replay_endpoint},topic={events.topic}"
+
+
+def vllm_processes() -> list[psutil.Process]:
+    """Every process of a vLLM server on this machine: API servers and engine cores."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or ())
+        if "vllm.entrypoints.openai.api_server" in line or line.startswith("VLLM::EngineCore"):
+            found.append(process)
+    return found
+
+
+def vllm_work_folders() -> set[str]:
+    """The vLLM servers' work folders in the temporary directory."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*")}

@@ -19,6 +19,7 @@ from deploy.processes import free_port
 from replica.api.config import ReplicaConfig
 from router.config import GatewayConfig
 from tests.loadtest.test_bench import TINY, check_report
+from tests.shared import VLLM_ARGS, vllm_processes, vllm_work_folders, wait_until_checked
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -109,13 +110,40 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
     assert not [line for line in after.stdout.splitlines() if line.startswith("replica-")]
 
 
-def test_vllm_replicas_without_gpus_take_a_node_each(head, tiny_model):
-    """A CPU server takes every core of its node: this one-node cluster holds one."""
-    done = prefix_router("up", "--address", "auto", "--engine", "vllm", "--model",
-                         str(tiny_model), "--replicas", "2")  # fmt: skip
-    assert done.returncode == 2
-    assert "one vLLM replica per node (it takes every core), and the cluster has 1" in done.stderr
+@pytest.mark.vllm
+def test_a_vllm_replica_on_a_ray_start_cluster_up_status_and_down(head, tiny_model):
+    """A CPU server takes every core of its node: this one-node cluster holds one, which
+    `up` places, the gateway routes precisely, and `down` stops with its files."""
+    before, folders = {p.pid for p in vllm_processes()}, vllm_work_folders()
+    engine = ["--engine", "vllm", "--model", str(tiny_model)]
+    refused = prefix_router("up", "--address", "auto", *engine, "--replicas", "2")
+    assert refused.returncode == 2
+    refusal = "one vLLM replica per node (it takes every core), and the cluster has 1"
+    assert refusal in refused.stderr
     assert "replica-" not in prefix_router("status", "--address", "auto").stdout
+
+    port = free_port()
+    try:
+        done = prefix_router("up", "--address", "auto", *engine, "--replicas", "1",
+                             "--port", str(port), "--engine-arg", " ".join(VLLM_ARGS))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        gateway = f"http://127.0.0.1:{port}"
+        stats = wait_until_checked(gateway, 1)
+        assert [(b.engine, b.routing_mode, b.block_size) for b in stats.backends] == [
+            ("vllm", "precise", 32)
+        ]
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=3)
+        reply = client.completions.create(model=str(tiny_model), prompt="Hello, fleet",
+                                          max_tokens=4)  # fmt: skip
+        assert reply.usage.completion_tokens == 4
+        (line,) = [x for x in prefix_router("status", "--address", "auto").stdout.splitlines()
+                   if x.startswith("replica-0")]  # fmt: skip
+        assert " ok " in line and line.endswith("precise")
+    finally:
+        down = prefix_router("down", "--address", "auto")
+    assert down.returncode == 0 and "removed 2 actors" in down.stdout
+    assert {p.pid for p in vllm_processes()} <= before  # the server stopped with its actor
+    assert vllm_work_folders() <= folders  # and its files removed
 
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):

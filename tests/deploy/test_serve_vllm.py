@@ -6,9 +6,7 @@ and re-admitted. Nothing is left behind: no process, no file in the temporary fo
 import asyncio
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -16,32 +14,24 @@ import psutil
 import pytest
 
 from deploy import processes
-from tests.shared import VLLM_ARGS, gateway_stats, wait_until_checked
+from tests.shared import (
+    VLLM_ARGS,
+    gateway_stats,
+    vllm_processes,
+    vllm_work_folders,
+    wait_until_checked,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
-
-
-def vllm_servers() -> list[psutil.Process]:
-    """Every process of a vLLM server: its guard, API server and engine core."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        line = " ".join(process.info["cmdline"] or ())
-        if "vllm.entrypoints.openai.api_server" in line or line.startswith("VLLM::EngineCore"):
-            found.append(process)
-    return found
 
 
 def api_server(process: psutil.Process) -> bool:
     return process.info["cmdline"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
 
 
-def work_folders() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("prefix-router-vllm-*")}
-
-
 def server_on(url: str) -> psutil.Process:
     port = url.rsplit(":", 1)[1]
-    (process,) = [p for p in vllm_servers() if api_server(p) and port in p.info["cmdline"]]
+    (process,) = [p for p in vllm_processes() if api_server(p) and port in p.info["cmdline"]]
     return process
 
 
@@ -69,8 +59,8 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
 
 
 def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model, tmp_path):
-    before = {p.pid for p in vllm_servers()}
-    folders = work_folders()
+    before = {p.pid for p in vllm_processes()}
+    folders = vllm_work_folders()
     port = processes.free_port()
     command = ["serve", "--engine", "vllm", "--model", str(tiny_model), "--replicas", "2",
                "--stride", "1", "--engine-arg", " ".join(VLLM_ARGS)]  # fmt: skip
@@ -131,5 +121,5 @@ def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model,
     finally:
         processes.stop(process, timeout_s=60)
     assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    wait_for(lambda: {p.pid for p in vllm_servers()} <= before, 30, "every vLLM server stopped")
-    assert work_folders() <= folders  # their work folders removed
+    wait_for(lambda: {p.pid for p in vllm_processes()} <= before, 30, "every vLLM server stopped")
+    assert vllm_work_folders() <= folders  # their work folders removed

@@ -9,7 +9,15 @@ import psutil
 import pytest
 
 from deploy.processes import free_port
-from replica.vllm_server import CPU_DEFAULTS, Ports, VLLMConfig, VLLMServer, cores_of, cpu_build
+from replica.vllm_server import (
+    CPU_DEFAULTS,
+    Ports,
+    VLLMConfig,
+    VLLMServer,
+    cores_of,
+    cpu_build,
+    remove_orphaned_folders,
+)
 from tests.shared import VLLM_ARGS
 
 
@@ -56,9 +64,11 @@ def test_a_start_that_fails_says_why_and_leaves_no_folder(tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_crashed_api_server_takes_its_engine_core_with_it(tiny_model):
+def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(tiny_model):
     """vLLM is several processes: killing the API server, as the kernel's OOM killer
-    would, leaves no engine core holding the ports, and the server starts again."""
+    would, leaves no engine core holding the ports, and the server starts again; killing
+    the guard outright, as Ray kills a killed actor's children, ends the server too, and
+    the next server started sweeps the folder it left."""
     running = server(str(tiny_model), *VLLM_ARGS, cpus=(0,))
     try:
         running.start()
@@ -70,8 +80,19 @@ def test_a_crashed_api_server_takes_its_engine_core_with_it(tiny_model):
         os.kill(api.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs([guard, *group], timeout=20)
         assert not alive, f"left running: {alive}"
+
         running.start()  # the same ports are free again
         assert running.healthy() and running.workdir != folder and not folder.exists()
+        guard = psutil.Process(running.process.pid)
+        group = guard.children(recursive=True)
+        os.kill(guard.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(group, timeout=30)
+        assert not alive, f"outlived their guard: {alive}"
+        running.process.wait()  # reaped, as init reaps it once its owner is gone too
+        orphaned, running.workdir = running.workdir, None
+        assert orphaned.exists()
+        remove_orphaned_folders()  # what every server's launch does first
+        assert not orphaned.exists()
     finally:
         running.stop()
     time.sleep(0.1)
