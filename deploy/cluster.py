@@ -12,6 +12,7 @@ gateways follow the replica actors by name, so they see every change.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Collection
 from typing import Any, cast
 
@@ -42,6 +43,7 @@ def connect(address: str) -> None:
     says otherwise.
     """
     if address != "auto":
+        _check_reachable(address)
         _use_the_token_if_there_is_one()
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
@@ -52,7 +54,23 @@ def connect(address: str) -> None:
                 "(or it has none): copy the token of the head node (`ray get-auth-token` "
                 "there) to ~/.ray/auth_token here, or set RAY_AUTH_TOKEN"
             ) from error
-        raise
+        raise ValueError(f"no Ray cluster at {address}: {NO_CLUSTER_FIX}") from error
+
+
+NO_CLUSTER_FIX = "start one with `ray start --head`, or name its head with --address HEAD_IP:6379"
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail at once where nothing listens: Ray itself retries for a minute before it
+    says so."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return  # a Ray client address (ray://) or a form Ray judges itself
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ValueError(f"no Ray cluster at {address} ({error.strerror or error}): "
+                         f"{NO_CLUSTER_FIX}") from None  # fmt: skip
 
 
 def _use_the_token_if_there_is_one() -> None:

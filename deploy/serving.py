@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from types import FrameType
 from typing import Any
@@ -56,6 +57,10 @@ class Server(uvicorn.Server):
             loop.call_soon_threadsafe(self._wake.set)
 
 
+class PortBusyError(ValueError):
+    """The port asked for is taken: a user's error, said in one line."""
+
+
 def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port``. With ``reuse_port``, several processes can
     bind the same port and the kernel spreads new connections over them (SO_REUSEPORT):
@@ -67,8 +72,11 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as error:
         sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise PortBusyError(f"port {port} on {host} is in use: stop what listens there "
+                                "or give another --port") from None  # fmt: skip
         raise
     sock.set_inheritable(True)
     return sock

@@ -194,6 +194,8 @@ class Fleet:
 def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:
     """What the target is; our gateways once they have checked every replica (a check's
     canary prompt, answered during a run, would count in it)."""
+    for url in gateways:
+        check_reachable(client, url)
     every = [gateway_stats(client, url) for url in gateways]
     stats = every[0]
     if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
@@ -208,6 +210,15 @@ def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0)
     stats = every[0] or stats
     urls = [b.url for b in stats.backends]
     return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls})
+
+
+def check_reachable(client: httpx.Client, url: str) -> None:
+    """Any answer will do (a router may have no ``/health``); no answer is an error."""
+    try:
+        client.get(f"{url}/health", timeout=10.0)
+    except httpx.HTTPError as error:
+        raise ValueError(f"cannot reach {url} ({type(error).__name__}: {error}): is it "
+                         "running, and is that its URL?") from None  # fmt: skip
 
 
 def gateway_stats(client: httpx.Client, url: str) -> GatewayStats | None:

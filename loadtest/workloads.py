@@ -251,14 +251,9 @@ def trace_workload(
         for index, line in enumerate(lines):
             if limit is not None and index >= limit:
                 break
-            record = json.loads(line)
-            hash_ids, length = tuple(record["hash_ids"]), int(record["input_length"])
-            start = float(record["timestamp"]) / 1000.0 * time_scale
-            turn = Turn(
-                partial(trace_prompt, hash_ids, length),
-                max(1, int(record["output_length"])),
-                timestamp_s=start,
-            )
+            hash_ids, length, start_ms, output = _trace_record(path, index + 1, line)
+            start = start_ms / 1000.0 * time_scale
+            turn = Turn(partial(trace_prompt, hash_ids, length), max(1, output), timestamp_s=start)
             sessions.append(Session(f"trace-{index}", start, (turn,), 0, TRACE_BLOCK_TOKENS))
     original = tuple(sessions)
     for copy in range(1, copies):
@@ -266,6 +261,34 @@ def trace_workload(
         sessions += [_shifted(session, shift, f"copy-{copy}") for session in original]
     name = f"trace:{path}" + (f" x{copies}" if copies > 1 else "")
     return Workload(name, tuple(sessions), "trace")
+
+
+#: A Mooncake trace line's fields (../shared/traces/README.md).
+TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _trace_record(
+    path: str | Path, number: int, line: str
+) -> tuple[tuple[int, ...], int, float, int]:
+    """One trace line's hash ids, input length, timestamp (ms) and output length; a line
+    that is not one is an error naming the file, the line and what is wrong."""
+    where = f"{path}, line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg})") from None
+    missing = [name for name in TRACE_FIELDS if not isinstance(record, dict) or name not in record]
+    if missing:
+        raise ValueError(f"{where}: a Mooncake trace line needs {', '.join(TRACE_FIELDS)}; "
+                         f"missing {', '.join(missing)}")  # fmt: skip
+    try:
+        return (tuple(int(h) for h in record["hash_ids"]), int(record["input_length"]),
+                float(record["timestamp"]), int(record["output_length"]))  # fmt: skip
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where}: timestamp, input_length and output_length must be "
+            "numbers and hash_ids a list of integers"
+        ) from None
 
 
 def _shifted(session: Session, shift_s: float, tenant: str) -> Session:

@@ -36,7 +36,7 @@ from router.dashboard.history import History
 from router.dashboard.view import build, replica_figures
 from router.gateway import Gateway
 from router.http_client import Client, Timeouts
-from router.intake import Envelope, check_length, read_envelope, routing_prompt
+from router.intake import Envelope, check_length, read_envelope, request_prompts
 from router.policies import POLICIES, RoutingRequest
 from router.tenants import ApiKeys, Unauthorized, tenant_salt
 from router.upstream import Upstream
@@ -190,10 +190,10 @@ async def _route(request: Request, path: str, chat: bool) -> Response:
     received = time.perf_counter()
     config: GatewayConfig = request.app.state.config
     raw, envelope = await read_envelope(request, config)
-    prompt = routing_prompt(envelope.body, chat, _gateway(request).tokenizer)
-    if prompt is not None:
-        check_length(prompt, config.max_prompt_tokens, "messages" if chat else "prompt")
-    routing, fields = _tenant_routing(request, envelope, prompt)
+    prompts = request_prompts(envelope.body, chat, _gateway(request).tokenizer)
+    if prompts is not None:
+        check_length(prompts, config.max_prompt_tokens, "messages" if chat else "prompt")
+    routing, fields = _tenant_routing(request, envelope, prompts[0] if prompts else None)
     upstream: Upstream = request.app.state.upstream
     return await upstream.forward(
         path, raw, routing, envelope.stream, envelope.include_usage, received, fields

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,6 +46,7 @@ def parse_backend(spec: str) -> tuple[str, KVEventsEndpoint | None]:
     an engine that publishes its KV events on ZMQ without saying where (vLLM started
     with ``--kv-events-config``: its ``endpoint``, ``replay_endpoint`` and ``topic``)."""
     url, *options = spec.split(",")
+    _check_url(spec, url)
     fields: dict[str, str] = {}
     for option in options:
         name, _, value = option.partition("=")
@@ -57,6 +59,19 @@ def parse_backend(spec: str) -> tuple[str, KVEventsEndpoint | None]:
         raise ValueError(f"backend {spec!r}: replay= and topic= need kv=tcp://HOST:PORT")
     endpoint = KVEventsEndpoint(fields["kv"], fields.get("replay", ""), fields.get("topic", ""))
     return url, endpoint
+
+
+def _check_url(spec: str, url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"backend {spec!r}: its URL needs http:// or https:// "
+                         f"(say http://{url.split('://')[-1]})")  # fmt: skip
+    try:
+        parts.port  # noqa: B018 (parses it: a port that is no number raises)
+    except ValueError:
+        raise ValueError(f"backend {spec!r}: its port is not a number") from None
+    if not parts.hostname:
+        raise ValueError(f"backend {spec!r}: expected http://HOST:PORT")
 
 
 @dataclass(eq=False)

@@ -85,6 +85,17 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        _at_least(1, capacity_blocks=self.capacity_blocks,
+                  max_outstanding_per_replica=self.max_outstanding_per_replica,
+                  max_request_bytes=self.max_request_bytes,
+                  max_prompt_tokens=self.max_prompt_tokens)  # fmt: skip
+        _at_least(0, max_queued=self.max_queued, max_retries=self.max_retries,
+                  retry_backoff_s=self.retry_backoff_s)  # fmt: skip
+        _positive(kv_events_interval_s=self.kv_events_interval_s,
+                  upstream_connect_timeout_s=self.upstream_connect_timeout_s,
+                  upstream_read_timeout_s=self.upstream_read_timeout_s,
+                  upstream_timeout_s=self.upstream_timeout_s,
+                  queue_timeout_s=self.queue_timeout_s)  # fmt: skip
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
 
@@ -103,3 +114,16 @@ class GatewayConfig:
         if "block_size" not in keep and card.block_size:
             routing = replace(routing, block_size=card.block_size)
         return replace(self, routing=routing, **changes)  # type: ignore[arg-type]
+
+
+def _at_least(low: float, **values: float) -> None:
+    """Refuse, at start, a value that would make every request fail: the flag named."""
+    for name, value in values.items():
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")

@@ -69,19 +69,24 @@ async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes,
     return raw, Envelope.of(body)
 
 
-def routing_prompt(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> np.ndarray | None:
-    """The prompt to route by: the conversation through the chat template, or the first
-    prompt of a batch; ``None`` if it cannot be read (the backend will say why)."""
+def request_prompts(
+    body: dict[str, Any], chat: bool, tokenizer: Tokenizer
+) -> list[np.ndarray] | None:
+    """The request's prompts: the conversation through the chat template, or every
+    prompt of a batch (the first is routed by, each is checked against the limit);
+    ``None`` if they cannot be read (the backend will say why)."""
     try:
         if chat:
-            return tokenizer.apply_chat_template(api.chat_prompt_messages(body["messages"]))
-        return api.prompt_token_ids(body["prompt"], tokenizer)[0]
+            return [tokenizer.apply_chat_template(api.chat_prompt_messages(body["messages"]))]
+        return api.prompt_token_ids(body["prompt"], tokenizer)
     except (KeyError, ValueError):  # pydantic's and Rejected are ValueErrors too
         return None
 
 
-def check_length(prompt: np.ndarray, limit: int, field: str) -> None:
-    if len(prompt) > limit:
-        raise api.Rejected(
-            f"the prompt is {len(prompt)} tokens, over the limit of {limit}", 413, field
-        )
+def check_length(prompts: list[np.ndarray], limit: int, field: str) -> None:
+    for index, prompt in enumerate(prompts):
+        if len(prompt) > limit:
+            which = f"prompt {index} of the batch" if len(prompts) > 1 else "the prompt"
+            raise api.Rejected(
+                f"{which} is {len(prompt)} tokens, over the limit of {limit}", 413, field
+            )

@@ -144,10 +144,21 @@ def _ordinary_ids(tokenizer: RustTokenizer) -> tuple[int, ...]:
     return tuple(i for i in range(tokenizer.get_vocab_size()) if i not in special)
 
 
+#: A ``--chat-template`` with none of these is a file's path, as vLLM judges it.
+JINJA_CHARS = "{}\n"
+
+
 def _template_text(chat_template: str) -> str:
-    """``--chat-template``: a file's path or the template itself, as vLLM takes it."""
+    """``--chat-template``: a file's path or the template itself, as vLLM takes it (a
+    path that does not open is an error, not a template that renders the path)."""
     path = Path(chat_template)
-    return path.read_text() if path.is_file() else chat_template
+    if path.is_file():
+        return path.read_text()
+    if not any(c in chat_template for c in JINJA_CHARS):
+        raise ValueError(f"chat template {chat_template!r} looks like a file's path, but "
+                         "there is no such file: give an existing .jinja file or the "
+                         "template's text")  # fmt: skip
+    return chat_template
 
 
 def _pick_template(template: str | list[dict[str, str]]) -> str:

@@ -44,6 +44,8 @@ CASES = [  # (path, body, status, words the message must contain, param)
     ("/v1/completions", {"prompt": [1, -5]}, 400, "token ids", "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "model": "gpt-9"}, 404, "gpt-9", "model"),
     ("/v1/completions", {"prompt": "x" * 10_000}, 413, "2000", "prompt"),
+    ("/v1/completions", {"prompt": [PROMPT, "x" * 10_000]}, 413, "prompt 1 of the batch",
+     "prompt"),
     ("/v1/completions", {"prompt": "x" * 300_000}, 413, "200000 bytes", None),
     ("/v1/chat/completions", {"messages": []}, 400, "at least 1", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
