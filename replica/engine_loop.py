@@ -47,6 +47,15 @@ class EngineLoop:
             self._task = None
 
     @property
+    def failure(self) -> str | None:
+        """Why the loop stopped stepping, if it died of an error (the replica is then
+        unhealthy, as vLLM's server is once its engine is dead)."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled() or task.exception() is None:
+            return None
+        return f"{type(task.exception()).__name__}: {task.exception()}"
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 

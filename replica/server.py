@@ -100,8 +100,11 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 @routes.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> Response:
+    failure = _replica(request).loop.failure
+    if failure is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": f"the engine loop stopped: {failure}"}, status_code=503)
 
 
 @routes.get("/metrics")

@@ -236,9 +236,16 @@ async def models(request: Request) -> dict[str, Any]:
 
 @routes.get("/health")
 async def health(request: Request) -> Response:
-    if _gateway(request).pool.backends:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "no backends"}, status_code=503)
+    """Healthy while it can route: some backend's circuit is closed. Else 503, saying
+    why, so that a load balancer in front sends the traffic to another gateway."""
+    backends = _gateway(request).pool.backends
+    routable = [b for b in backends if b.healthy]
+    if routable:
+        return JSONResponse({"status": "ok", "backends": len(backends), "routable": len(routable)})
+    reason = ("no backends" if not backends
+              else f"every backend's circuit is open ({len(backends)} down)")  # fmt: skip
+    return JSONResponse({"status": reason, "backends": len(backends), "routable": 0},
+                        status_code=503)  # fmt: skip
 
 
 @routes.get("/metrics")

@@ -68,6 +68,23 @@ def test_a_dead_replica_is_skipped_at_once_and_taken_back_when_healthy():
     assert retries >= 1
 
 
+def test_a_gateway_whose_every_circuit_is_open_says_it_is_unhealthy():
+    """/health is what a load balancer in front of several gateways asks."""
+    port = processes.free_port()
+    with (
+        replica_on(port) as process,
+        running(["gateway", f"--backend=http://127.0.0.1:{port}"]) as (url,),
+    ):
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "backends": 1, "routable": 1}
+        os.kill(process.pid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
+        down = httpx.get(f"{url}/health").json()
+        assert down == {"status": "every backend's circuit is open (1 down)", "backends": 1,
+                        "routable": 0}  # fmt: skip
+        with replica_on(port):
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+
+
 def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event():
     port = processes.free_port()
     with replica_on(port) as process:
