@@ -49,6 +49,8 @@ class Replica:
         token, so a router in front learns when the prefill ended, as a stream's first
         token tells it.
         """
+        if body.model and body.model != self.config.model:  # vLLM's rule: none, or its own
+            raise api.Rejected(f"the model {body.model!r} does not exist", 404, "model")
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
         requests = self._engine_requests(request_id, body, prompts)

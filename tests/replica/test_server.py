@@ -144,6 +144,18 @@ def test_bad_requests_get_a_400_naming_the_problem(replica, body, needle):
     )
 
 
+def test_a_model_it_does_not_serve_is_a_404_as_vllm_answers(replica):
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        refused = post(replica, path, {**body, "model": "gpt-9", "max_tokens": 1})
+        assert refused.status_code == 404
+        assert refused.json()["error"]["param"] == "model" and "gpt-9" in refused.text
+        for model in ("sim-llama3-8b", None):  # its own, or none named
+            assert post(replica, path, {**body, "model": model, "max_tokens": 1}).status_code == 200
+
+
 def test_invalid_json_is_a_400(replica):
     response = httpx.post(
         replica + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
