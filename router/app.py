@@ -250,13 +250,26 @@ async def health(request: Request) -> Response:
 
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = _gateway(request).metrics.render()
+    body = _gateway(request).metrics.render(tenants=_sees_tenants(request))
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
 @routes.get("/stats")
 async def stats(request: Request) -> dict[str, Any]:
-    return stats_codec.encode(_gateway(request).stats())
+    figures = _gateway(request).stats()
+    if not _sees_tenants(request):
+        figures = dataclasses.replace(figures, tenants={})
+    return stats_codec.encode(figures)
+
+
+def _sees_tenants(request: Request) -> bool:
+    """Per-tenant figures are an administrator's when keys are configured, as on the
+    dashboard; the rest of ``/stats`` and ``/metrics`` stays open to monitoring."""
+    try:
+        request.app.state.keys.admin(request.headers.get("authorization"))
+    except Unauthorized:
+        return False
+    return True
 
 
 class PolicyChange(BaseModel):

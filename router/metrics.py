@@ -55,6 +55,9 @@ class GatewayMetrics:
         self._accounting, self._pool, self._admission = accounting, pool, admission
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        #: Apart: who sends what is an administrator's to see when keys are configured.
+        self.tenant_registry = CollectorRegistry()
+        self.tenant_registry.register(TenantMetrics(accounting))
         ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
         self.overhead = Histogram(
             "prefix_router_gateway_overhead_seconds",
@@ -63,13 +66,14 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = True) -> bytes:
+        """The exposition text; the ``prefix_router_tenant_*`` families with ``tenants``."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.tenant_registry) if tenants else text
 
     def collect(self) -> Iterable[Metric]:
         yield from self._by_policy()
         yield from self._by_replica()
-        yield from self._by_tenant()
         yield from self._by_policy_totals()
         admission = self._admission
         yield GaugeMetricFamily(
@@ -153,7 +157,14 @@ class GatewayMetrics:
             ttft.add_metric([policy], list(zip(bounds, cumulative, strict=True)), histogram.sum_s)
         yield ttft
 
-    def _by_tenant(self) -> Iterable[Metric]:
+
+class TenantMetrics:
+    """The ``prefix_router_tenant_*`` families, read from the accounting at scrape time."""
+
+    def __init__(self, accounting: Accounting) -> None:
+        self._accounting = accounting
+
+    def collect(self) -> Iterable[Metric]:
         tenants = self._accounting.tenants
         for key, text, read in BY_TENANT:
             family = CounterMetricFamily(f"prefix_router_tenant_{key}", text, labels=["tenant"])

@@ -83,9 +83,15 @@ def test_tenants_are_isolated_through_the_gateway(tmp_path):
             assert httpx.post(f"{url}/admin/policy", json=policy).status_code == 401
             headers = {"authorization": "Bearer k-ops"}
             assert httpx.post(f"{url}/admin/policy", json=policy, headers=headers).is_success
-            # Per-tenant figures, in /stats and in /metrics.
-            tenants = httpx.get(f"{url}/stats").json()["tenants"]
-            metrics = httpx.get(f"{url}/metrics").text
+            # Per-tenant figures, in /stats and in /metrics: an administrator's only.
+            tenants = httpx.get(f"{url}/stats", headers=headers).json()["tenants"]
+            metrics = httpx.get(f"{url}/metrics", headers=headers).text
+            for key in (None, "k-acme"):
+                other = {"authorization": f"Bearer {key}"} if key else {}
+                stats = httpx.get(f"{url}/stats", headers=other).json()
+                assert stats["tenants"] == {} and stats["totals"]["requests"] == 6  # the rest stays
+                seen = httpx.get(f"{url}/metrics", headers=other).text
+                assert "prefix_router_tenant_" not in seen and "prefix_router_routing" in seen
     assert tenants["acme"]["requests"] == 4 and tenants["globex"]["requests"] == 2
     assert tenants["globex"]["token_hit_rate"] == pytest.approx(0.5, abs=0.05)
     assert 'prefix_router_tenant_requests_total{tenant="acme"} 4.0' in metrics
