@@ -22,6 +22,7 @@ from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
 from replica.host_cache import HostCache
 from replica.prefix_cache import CacheStats, PrefixCache
+from replica.sampling import biased_token
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import EngineRequest, FinishReason, Sequence
 
@@ -168,6 +169,7 @@ class Engine:
             self.cache.on_evicted = self.host.store
         self.scheduler = Scheduler(self.config.scheduler, self.cache, self.host, self._should_load)
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self._vocabulary_ids = frozenset(self.tokenizer.vocabulary)  # for logit_bias
         self._hasher_factory = hasher_factory
         self._seqs: dict[str, Sequence] = {}
         self.now = 0.0
@@ -342,9 +344,13 @@ class Engine:
     def _sample_at(self, seq: Sequence, index: int) -> int:
         """A token that depends only on the seed, the request id and the position."""
         draw = xxhash.xxh3_64_intdigest(index.to_bytes(4, "little"), seed=seq.sample_seed)
-        if not seq.request.ignore_eos and (draw >> 40) < self.config.eos_probability * (1 << 24):
+        request = seq.request
+        may_end = not request.ignore_eos and index >= request.min_tokens
+        if may_end and (draw >> 40) < self.config.eos_probability * (1 << 24):
             return self.tokenizer.eos_token_id
         vocabulary = self.tokenizer.vocabulary
+        if request.logit_bias:
+            return biased_token(draw, vocabulary, self._vocabulary_ids, request.logit_bias)
         return vocabulary[draw % len(vocabulary)]
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:

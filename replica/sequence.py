@@ -35,12 +35,19 @@ class EngineRequest:
     cache_salt: str | None = None
     #: Seeds the toy model's sampling (a request's ``seed``); ``None``: from its id.
     sample_seed: int | None = None
+    #: No EOS before this many tokens (vLLM's ``min_tokens``).
+    min_tokens: int = 0
+    #: ``(token id, bias)`` pairs added to the toy model's (equal) logits, as vLLM adds
+    #: a request's ``logit_bias`` to its model's.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must lie in [0, max_tokens], got {self.min_tokens}")
 
 
 @dataclass(eq=False, slots=True)

@@ -114,6 +114,8 @@ class Replica:
                     body.ignore_eos,
                     body.cache_salt,
                     sample_seed,
+                    min_tokens=body.min_tokens,
+                    logit_bias=body.token_bias,
                 )
             )
         return requests

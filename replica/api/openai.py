@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from replica.api.tokenizer import TOKEN_DTYPE, Tokenizer
 
@@ -63,6 +63,9 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    #: Token id (as text) to a bias added to its logit, clamped to [-100, 100] as vLLM
+    #: clamps it.
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,6 +74,19 @@ class _Sampling(BaseModel):
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        wrong = [k for k in bias or {} if not k.isdigit() or int(k) > MAX_TOKEN_ID]
+        if wrong:
+            raise ValueError(f"token_id(s) {wrong} in logit_bias are not token ids in "
+                             "[0, 2**32)")  # fmt: skip
+        return bias
+
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items())
 
     @model_validator(mode="after")
     def _vllm_rules(self) -> _Sampling:
@@ -81,7 +97,8 @@ class _Sampling(BaseModel):
         limit = self.token_limit()
         if self.min_tokens > limit:
             raise ValueError(
-                f"min_tokens must be at most max_tokens={limit}, got {self.min_tokens}"
+                f"min_tokens must be less than or equal to max_tokens={limit}, got "
+                f"{self.min_tokens}."
             )
         return self
 
@@ -96,6 +113,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix is not None:  # vLLM's answer for a model without fill-in-the-middle
+            raise ValueError("suffix is only supported for models with FIM completion rendering")
+        return suffix
 
     def prompts(self, tokenizer: Tokenizer) -> list[np.ndarray]:
         return prompt_token_ids(self.prompt, tokenizer)

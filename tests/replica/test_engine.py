@@ -267,3 +267,22 @@ def test_bursts_cut_anywhere_give_the_tokens_and_times_of_single_steps(make_engi
     assert bursts == single
     assert bursts_end == pytest.approx(single_end, rel=1e-12)
     assert {r["reason"] for r in single.values()} == {"stop", "length"}  # EOS ended some
+
+
+def test_min_tokens_holds_eos_back_and_logit_bias_moves_the_toy_model(make_engine):
+    """vLLM's min_tokens and logit_bias, on a model whose logits are all equal."""
+    ending = make_engine(eos_probability=1.0)  # every token would be EOS but for min_tokens
+    eos = ending.tokenizer.eos_token_id
+    out = run(ending, [EngineRequest("now", prompt(40), 8),
+                       EngineRequest("later", prompt(40), 8, min_tokens=3)])  # fmt: skip
+    assert out["now"]["tokens"] == [eos]
+    assert len(out["later"]["tokens"]) == 4 and out["later"]["tokens"][3] == eos
+    assert eos not in out["later"]["tokens"][:3]
+
+    engine = make_engine(eos_probability=0.0)
+    word, banned = engine.tokenizer.vocabulary[7], engine.tokenizer.vocabulary[:50]
+    forced = run(engine, [EngineRequest("f", prompt(40), 16, logit_bias=((word, 100.0),))])
+    assert forced["f"]["tokens"] == [word] * 16
+    ban = tuple((token, -100.0) for token in banned)
+    free = run(engine, [EngineRequest("b", prompt(40), 200, logit_bias=ban)])
+    assert not set(free["b"]["tokens"]) & set(banned) and len(set(free["b"]["tokens"])) > 100

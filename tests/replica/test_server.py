@@ -133,6 +133,12 @@ def test_a_client_that_disconnects_aborts_its_request(replica):
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"prompt": [-1, 2]}, "prompt"),
         ({"prompt": "x" * 400_000, "max_tokens": 1}, "exceeds the KV cache"),
+        ({"prompt": "x", "suffix": "y"}, "suffix is only supported for models with FIM"),
+        ({"prompt": "x", "logit_bias": {"word": 5}}, "in logit_bias are not token ids"),
+        (
+            {"prompt": "x", "max_tokens": 4, "min_tokens": 9},
+            "min_tokens must be less than or equal to max_tokens=4, got 9.",
+        ),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_problem(replica, body, needle):
@@ -154,6 +160,17 @@ def test_a_model_it_does_not_serve_is_a_404_as_vllm_answers(replica):
         assert refused.json()["error"]["param"] == "model" and "gpt-9" in refused.text
         for model in ("sim-llama3-8b", None):  # its own, or none named
             assert post(replica, path, {**body, "model": model, "max_tokens": 1}).status_code == 200
+
+
+def test_logit_bias_and_min_tokens_do_what_vllm_does_with_them(replica):
+    word = "kin "  # one token of the simulated model's vocabulary
+    token = int.from_bytes(word.encode(), "little")
+    body = {"prompt": "x", "max_tokens": 5, "logit_bias": {str(token): 100}}
+    assert post(replica, "/v1/completions", body).json()["choices"][0]["text"] == word * 5
+    ended = {"prompt": "x", "max_tokens": 40, "seed": 0}  # this seed draws EOS at token 13
+    assert post(replica, "/v1/completions", ended).json()["usage"]["completion_tokens"] == 13
+    held = {**ended, "min_tokens": 40}
+    assert post(replica, "/v1/completions", held).json()["usage"]["completion_tokens"] == 40
 
 
 def test_invalid_json_is_a_400(replica):
