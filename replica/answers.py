@@ -37,6 +37,8 @@ class AnswerSpec:
     stops: Sequence[str] = ()
     logprobs: int | None = None
     include_usage: bool = False
+    #: A completion's ``echo``: each prompt's text, written before its choices' text.
+    echoes: Sequence[str] = ()
 
     @property
     def kind(self) -> str:
@@ -57,6 +59,9 @@ class ChoiceState:
     output_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
 
+    #: Text written before the first token (an echoed prompt), once.
+    echo: str = ""
+
     def feed(self, new_text: str, output: RequestOutput) -> str:
         """Take one output; return the text to emit now (stop strings withheld)."""
         self.prompt_tokens, self.cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
@@ -74,6 +79,7 @@ class ChoiceState:
         return self._emit(text[: len(text) - keep] if keep else text)
 
     def _emit(self, text: str) -> str:
+        text, self.echo = self.echo + text, ""
         self.text += text
         return text
 
@@ -92,7 +98,10 @@ class Answer:
         self.decode = tokenizer.decode
         self.vocabulary = tokenizer.vocabulary
         self.on_first_token = on_first_token
-        self.choices = [ChoiceState(i, spec.stops) for i in range(len(spec.prompts))]
+        self.choices = [
+            ChoiceState(i, spec.stops, echo=spec.echoes[p] if spec.echoes else "")
+            for i, p in enumerate(spec.prompts)
+        ]
         self._created = int(time.time())
 
     async def stream(self, outputs: ChoiceOutputs) -> AsyncIterator[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TypeGuard
 
 import numpy as np
 import xxhash
@@ -65,9 +66,10 @@ class Replica:
         def first_token() -> None:
             self.metrics.ttft.observe(time.monotonic() - started)
 
+        echoes = body.echoes(self.engine.tokenizer) if _echo(body) else []
         spec = AnswerSpec(
             request_id, self.config.model, chat, [r // body.n for r in range(len(requests))],
-            body.stop_strings, _logprobs(body), body.include_usage,
+            body.stop_strings, _logprobs(body), body.include_usage, echoes,
         )  # fmt: skip
         answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
@@ -205,3 +207,9 @@ def _logprobs(body: api.CompletionRequest | api.ChatCompletionRequest) -> int | 
     if isinstance(body, api.ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _echo(
+    body: api.CompletionRequest | api.ChatCompletionRequest,
+) -> TypeGuard[api.CompletionRequest]:
+    return isinstance(body, api.CompletionRequest) and body.echo

@@ -121,8 +121,21 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is only supported for models with FIM completion rendering")
         return suffix
 
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:  # vLLM adds the prompt's logprobs
+            raise ValueError("echo with logprobs is not supported by the simulated model "
+                             "(it has no logprobs for prompt tokens)")  # fmt: skip
+        return self
+
     def prompts(self, tokenizer: Tokenizer) -> list[np.ndarray]:
         return prompt_token_ids(self.prompt, tokenizer)
+
+    def echoes(self, tokenizer: Tokenizer) -> list[str]:
+        """What ``echo`` writes before each prompt's choices: its text as sent, or its
+        token ids decoded."""
+        batch: list[Any] = [self.prompt] if _is_single(self.prompt) else list(self.prompt)
+        return [item if isinstance(item, str) else tokenizer.decode(item) for item in batch]
 
 
 class ChatMessage(BaseModel):

@@ -173,6 +173,23 @@ def test_logit_bias_and_min_tokens_do_what_vllm_does_with_them(replica):
     assert post(replica, "/v1/completions", held).json()["usage"]["completion_tokens"] == 40
 
 
+def test_echo_writes_each_prompt_before_its_completion(replica):
+    body = {"prompt": ["Echo me. ", "And me. "], "max_tokens": 3, "echo": True, "seed": 1}
+    whole = post(replica, "/v1/completions", body).json()["choices"]
+    plain = post(replica, "/v1/completions", {**body, "echo": False}).json()["choices"]
+    assert [c["text"] for c in whole] == [
+        p + c["text"] for p, c in zip(body["prompt"], plain, strict=True)
+    ]
+    with httpx.stream("POST", replica + "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed = ["", ""]
+    for chunk in chunks:
+        streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert streamed == [c["text"] for c in whole]
+    refused = post(replica, "/v1/completions", {**body, "logprobs": 1})
+    assert refused.status_code == 400 and "echo with logprobs" in refused.text
+
+
 def test_invalid_json_is_a_400(replica):
     response = httpx.post(
         replica + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
