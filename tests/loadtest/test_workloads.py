@@ -68,9 +68,16 @@ def test_documents_and_fewshot_blocks_lengthen_prompts():
     )
 
 
-def test_chat_prompts_are_the_chat_template_of_their_messages():
-    turn = chat_workload(ChatConfig(num_sessions=1)).sessions[0].turns[0]
-    assert np.array_equal(turn.prompt_token_ids, ByteTokenizer().apply_chat_template(turn.messages))
+def test_chat_prompts_render_every_message_and_extend_the_turn_before():
+    first, second = chat_workload(ChatConfig(num_sessions=1)).sessions[0].turns[:2]
+    text = ByteTokenizer().decode(first.prompt_token_ids)
+    assert text.startswith("<|system|>\n") and text.rstrip().endswith("<|assistant|>")
+    found = [text.find(message["content"]) for message in first.messages]
+    assert -1 not in found and found == sorted(found)  # every message, in order
+    # The next turn resends the history: this turn's prompt is its prefix, to the token.
+    assert len(second.prompt_token_ids) > len(first.prompt_token_ids)
+    assert np.array_equal(second.prompt_token_ids[: len(first.prompt_token_ids)],
+                          first.prompt_token_ids)  # fmt: skip
 
 
 def test_trace_hash_ids_become_deterministic_runs_of_512_tokens():
