@@ -448,6 +448,7 @@ def live_row(
         prediction_accuracy=live_prediction_accuracy(before, after, policy),
         **prediction_shares(before, after, policy),
         requests_per_replica=per_replica,
+        requests_per_gateway=_requests_per_gateway(before, after),
         client_token_hit_rate=client.get("client_token_hit_rate"),
         client_prompt_tokens=client.get("prompt_tokens"),
         client_cached_tokens=client.get("cached_tokens"),
@@ -527,10 +528,23 @@ def _gateway_requests(before: Snapshot, after: Snapshot) -> list[int]:
     """Requests the gateways sent each replica during the run."""
 
     def by_replica(snap: Snapshot) -> Counter[str]:
-        return Counter({b.replica_id: b.dispatched for g in snap.gateways for b in g.backends})
+        counts: Counter[str] = Counter()
+        for gateway in snap.gateways:  # each gateway counts what it sent
+            for backend in gateway.backends:
+                counts[backend.replica_id] += backend.dispatched
+        return counts
 
     now, then = by_replica(after), by_replica(before)
     return [now[replica] - then[replica] for replica in sorted(now)]
+
+
+def _requests_per_gateway(before: Snapshot, after: Snapshot) -> list[int] | None:
+    """Requests each of our gateways routed during the run (by process: the gateways
+    of one deployment may share a port)."""
+    if not after.gateways:
+        return None
+    then = {g.pid: sum(b.dispatched for b in g.backends) for g in before.gateways}
+    return [sum(b.dispatched for b in g.backends) - then.get(g.pid, 0) for g in after.gateways]
 
 
 def prediction_shares(before: Snapshot, after: Snapshot, policy: str) -> Row:

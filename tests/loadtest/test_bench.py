@@ -127,8 +127,9 @@ def test_bench_runs_its_own_embedded_deployment_with_two_gateways_and_stops_it(t
     (row,) = check_report(tmp_path, ["cache_aware"], replayed=False)
     meta = json.loads((tmp_path / "report.json").read_text())["meta"]
     assert "2 gateways" in meta["target"] and "requests spread at random" in meta["target"]
-    # Both gateways routed (the replicas counted every request; the gateways' own
-    # prediction counts come from both).
+    # Both gateways routed, and between them every request.
+    routed = row["requests_per_gateway"]
+    assert len(routed) == 2 and min(routed) > 0 and sum(routed) == row["requests"]
     assert row["prediction_accuracy"] is not None
     leftover = subprocess.run(["pgrep", "-f", "deploy.cli serve"], capture_output=True, check=False)
     assert leftover.stdout == b""
