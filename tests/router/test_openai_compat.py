@@ -72,22 +72,25 @@ def test_content_parts_are_joined_as_vllm_joins_them(fleet):
 
 
 def test_a_tool_conversation_with_null_content_and_tool_results(fleet):
-    url, _ = fleet
+    url, replicas = fleet
     call = {"id": "call_1", "type": "function",
             "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}  # fmt: skip
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    answer = chat(
-        url,
-        messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
-            {"role": "developer", "content": "Answer in one line."},
-        ],
-        tools=[tool],
-        tool_choice="auto",
-    )
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        {"role": "developer", "content": "Answer in one line."},
+    ]
+    answer = chat(url, messages=messages, tools=[tool], tool_choice="auto")
     assert answer.choices[0].finish_reason == "length"
+    # The prompt the model read holds the call, its result and the instruction, in order.
+    ids = httpx.post(f"{replicas[0]}/tokenize", json={"messages": messages}).json()["tokens"]
+    text = ByteTokenizer().decode(ids)
+    parts = ['"name":"weather"', '{"temp": 21}', "Answer in one line."]
+    found = [text.find(part) for part in parts]
+    assert -1 not in found and found == sorted(found), text
+    assert answer.usage.prompt_tokens == len(ids)
 
 
 def test_n_samples_each_choice_independently_and_counts_the_prompt_once(fleet):
