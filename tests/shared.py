@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -178,3 +178,13 @@ def vllm_processes() -> list[psutil.Process]:
 def vllm_work_folders() -> set[str]:
     """The vLLM servers' work folders in the temporary directory."""
     return {p.name for p in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*")}
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> float:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``. The
+    seconds it took. Tests await a condition, never sleep a fixed time for one."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what or 'condition'}: {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - start

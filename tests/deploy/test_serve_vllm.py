@@ -6,7 +6,6 @@ and re-admitted. Nothing is left behind: no process, no file in the temporary fo
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ from tests.shared import (
     gateway_stats,
     vllm_processes,
     vllm_work_folders,
+    wait_for,
     wait_until_checked,
 )
 
@@ -48,14 +48,6 @@ async def load(url: str, model: str, rate: float, seconds: float) -> list[int]:
             tasks.append(asyncio.create_task(one(client, i)))
             await asyncio.sleep(1 / rate)
         return list(await asyncio.gather(*tasks))
-
-
-def wait_for(condition, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"{what} within {timeout_s:.0f} s"
-        time.sleep(0.2)
-    return time.monotonic() - start
 
 
 def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model, tmp_path):

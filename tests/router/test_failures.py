@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,6 +11,7 @@ import pytest
 
 from deploy import processes
 from deploy.processes import running
+from tests.shared import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,6 @@ def replica_on(port: int) -> Iterator[processes.subprocess.Popen]:
 def backend(url: str, replica: str) -> dict:
     stats = httpx.get(f"{url}/stats").json()
     return next(b for b in stats["backends"] if b["url"] == replica)
-
-
-def wait_for(condition, timeout_s: float = 20.0) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, "timed out"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_a_dead_replica_is_skipped_at_once_and_taken_back_when_healthy():
@@ -61,7 +53,7 @@ def test_a_dead_replica_is_skipped_at_once_and_taken_back_when_healthy():
         retries = httpx.get(f"{url}/stats").json()["retries"]
         dispatched = backend(url, victim)["dispatched"]
         with replica_on(port):  # the replica comes back on its address
-            wait_for(lambda: backend(url, victim)["healthy"])
+            wait_for(lambda: backend(url, victim)["healthy"], 20)
             for _ in range(4):
                 httpx.post(f"{url}/v1/completions", json=BODY)
             assert backend(url, victim)["dispatched"] > dispatched
@@ -77,12 +69,12 @@ def test_a_gateway_whose_every_circuit_is_open_says_it_is_unhealthy():
     ):
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "backends": 1, "routable": 1}
         os.kill(process.pid, signal.SIGKILL)
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 20)
         down = httpx.get(f"{url}/health").json()
         assert down == {"status": "every backend's circuit is open (1 down)", "backends": 1,
                         "routable": 0}  # fmt: skip
         with replica_on(port):
-            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 20)
 
 
 def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event():

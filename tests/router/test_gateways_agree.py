@@ -9,18 +9,11 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from tests.shared import gateway_stats
+from tests.shared import gateway_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
 SLOW_REPLICA = ["replica", "--speedup", "1", "--num-blocks", "512", "--host-blocks", "0"]
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 2) -> httpx.Response:

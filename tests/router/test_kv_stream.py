@@ -17,7 +17,7 @@ from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
 from router.kv_subscriber import KVStreams, StreamState
 from router.prefix_index import IndexConfig, PrefixIndex
-from tests.shared import FakeClock, gateway_stats, replica_stats
+from tests.shared import FakeClock, gateway_stats, replica_stats, wait_for
 
 # ----------------------------------------------------------------- every encoding
 
@@ -182,15 +182,16 @@ def test_a_follower_cut_off_mid_stream_replays_the_gap_and_loses_nothing(followe
         time.sleep(0.3)  # connected
         for i in range(4):
             complete(url, i)
-        time.sleep(0.2)
+        wait_for(lambda: follower.held() == truth(url), what="the first events")
         follower.streams.forget("r")  # the connection dies mid-stream
         for i in range(4, 12):  # published while nobody listened: evictions to the host too
             complete(url, i)
         after = follower.follow(endpoint, next_batch=before.next_batch)
-        time.sleep(0.5)  # nothing new is published: the heartbeat reveals the gap
+        # Nothing new is published: the heartbeat reveals the gap.
+        wait_for(lambda: after.gaps == 1 and after.replayed > 0, what="the gap replayed")
         assert after.gaps == 1 and after.replayed > 0 and after.resyncs == 0
         complete(url, 12)
-        time.sleep(0.3)
+        wait_for(lambda: follower.held() == truth(url), what="the index caught up")
         gpu, host = follower.held()
         assert (gpu, host) == truth(url)  # no entry lost, none stale
         assert set(keys(np.arange(12001, 12400))[:6]) <= gpu
@@ -232,9 +233,9 @@ def test_a_silent_stream_goes_stale_and_its_entries_are_dropped():
             assert endpoint is not None
             complete(url, 0)
             state = follower.follow(endpoint)
-            time.sleep(0.5)
-            assert len(follower.held()[0]) == 6 and not state.stale
-        time.sleep(0.8)  # the replica is gone: its stream falls silent
+            wait_for(lambda: len(follower.held()[0]) == 6, what="the replayed blocks")
+            assert not state.stale
+        wait_for(lambda: state.stale, what="the silent stream gone stale")  # replica gone
         assert state.stale and follower.held() == (set(), set())
     finally:
         follower.streams.close()
