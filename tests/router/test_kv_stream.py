@@ -191,7 +191,16 @@ def test_a_follower_cut_off_mid_stream_replays_the_gap_and_loses_nothing(followe
         wait_for(lambda: after.gaps == 1 and after.replayed > 0, what="the gap replayed")
         assert after.gaps == 1 and after.replayed > 0 and after.resyncs == 0
         complete(url, 12)
-        wait_for(lambda: follower.held() == truth(url), what="the index caught up")
+
+        def caught_up() -> bool:  # the index, and the load reports, past the last batch
+            load = after.load
+            return (
+                follower.held() == truth(url)
+                and load is not None
+                and (load.batches == after.next_batch)
+            )
+
+        wait_for(caught_up, what="the index and the load reports caught up")
         gpu, host = follower.held()
         assert (gpu, host) == truth(url)  # no entry lost, none stale
         assert set(keys(np.arange(12001, 12400))[:6]) <= gpu
