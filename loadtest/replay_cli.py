@@ -197,6 +197,8 @@ def run_replay(args: argparse.Namespace) -> int:
         fleet = [(job, out) for job, out in zip(jobs, done, strict=True) if job.fleet is config]
         for job, (row, values, _) in fleet:
             if not job.reference:
+                if sweep_key:  # ``routers`` is no field of a replay's row: named here
+                    row[sweep_key] = getattr(config, sweep_key)
                 rows.append(row)
                 ttfts[job.label] = values
         if not args.no_reference:

@@ -105,6 +105,19 @@ def test_the_command_line_prints_a_sweep_and_writes_json(tmp_path):
     assert report["meta"]["seed"] == 0 and "replay" in report["meta"]["command"]
 
 
+def test_a_sweep_of_routers_writes_its_report_and_chart(tmp_path):
+    command = [
+        sys.executable, "-m", "deploy.cli", "replay", "--workload", "chat", "--replicas", "2",
+        "--policies", "cache_aware", "--chat-num-sessions", "20", "--sweep", "routers=1,2",
+        "--no-reference", "--out", str(tmp_path), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r["routers"] for r in rows] == [1, 2]
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
 def test_the_command_line_explains_bad_input():
     done = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "replay", "--workload", "nope"],
