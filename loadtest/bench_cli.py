@@ -1,4 +1,4 @@
-"""``prefix-router bench``: the command, its report and its charts (see loadtest/bench.py)."""
+"""``prefix-router bench``: the command, its report and its charts (see loadtest/bench/)."""
 
 from __future__ import annotations
 

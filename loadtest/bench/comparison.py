@@ -1,0 +1,87 @@
+"""The comparison: every policy in turn, one row each, with the replay's view."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+
+from loadtest import sglang
+from loadtest.bench.config import BenchConfig
+from loadtest.bench.locust_run import LocustRun, run_locust
+from loadtest.bench.prediction import add_prediction, predict
+from loadtest.bench.prepare import reset, switch_policy
+from loadtest.bench.rows import live_row, snapshot
+from loadtest.bench.targets import Fleet, discover
+from loadtest.report import Row
+from loadtest.timeline import Timeline
+from loadtest.workloads import Workload
+
+
+def compare(
+    config: BenchConfig, gateways: list[str], out: Path
+) -> tuple[list[Row], Fleet, dict[str, Timeline]]:
+    """Every policy in turn against ``gateways``; one row each, with the replay's view,
+    and each run's timeline."""
+    out.mkdir(parents=True, exist_ok=True)
+    workload = config.load()
+    with httpx.Client(timeout=30.0) as client:
+        fleet = discover(client, gateways)
+        check_target(config, fleet)
+        announce(fleet)
+        rows, timelines = [], {}
+        for label in config.policies:
+            if label == sglang.LABEL and fleet.ours:  # else the target is theirs already
+                row, run = run_behind_sglang(client, config, fleet, workload, out)
+            else:
+                row, run = run_policy(client, config, fleet, label, workload, out)
+            rows.append(row)
+            timelines[label] = run.timeline
+    for row in rows:
+        predicted = predict(config, fleet, row["label"], workload) if config.predict else None
+        add_prediction(row, predicted)
+    return rows, fleet, timelines
+
+
+def check_target(config: BenchConfig, fleet: Fleet) -> None:
+    if not fleet.ours and len(config.policies) > 1:
+        raise ValueError(
+            f"{', '.join(fleet.gateways)}: not a prefix-router gateway, so the bench cannot "
+            "switch its policy: pass one --policies NAME, a label for how it routes"
+        )
+
+
+def announce(fleet: Fleet) -> None:
+    """Where to watch the run live: each of our gateways serves its dashboard."""
+    for gateway in fleet.gateways if fleet.ours else []:
+        print(f"bench: live dashboard at {gateway}/dashboard", file=sys.stderr)
+
+
+def run_policy(
+    client: httpx.Client,
+    config: BenchConfig,
+    fleet: Fleet,
+    label: str,
+    workload: Workload,
+    out: Path,
+) -> tuple[Row, LocustRun]:
+    """One live run: empty every cache, switch our gateways (if ours), play the workload."""
+    if not reset(client, fleet):
+        print(f"warning: could not reset every replica's cache before {label}", file=sys.stderr)
+    if fleet.ours:
+        switch_policy(client, fleet, label)
+    before = snapshot(client, fleet)
+    run = run_locust(config, fleet, out / label, workload.num_requests, label)
+    return live_row(label, config, fleet, run, before, snapshot(client, fleet)), run
+
+
+def run_behind_sglang(
+    client: httpx.Client, config: BenchConfig, fleet: Fleet, workload: Workload, out: Path
+) -> tuple[Row, LocustRun]:
+    """The same run with SGLang's router in front of the same replicas, started for
+    this row and stopped after it (an error included)."""
+    workers = list(fleet.replicas)
+    print(f"bench: starting SGLang's router in front of {len(workers)} replicas…", file=sys.stderr)
+    with sglang.sglang_router(workers, log=out / f"{sglang.LABEL}.log") as router:
+        return run_policy(client, config, fleet.behind(router), sglang.LABEL, workload, out)

@@ -1,0 +1,163 @@
+"""Where the bench points and what it finds there: an embedded deployment, a
+cluster's gateways or any URL; our gateways and replicas read through their ``/stats``,
+any engine's counters through its ``/metrics``."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import httpx
+
+from deploy import processes
+from loadtest.replay import ReplayConfig
+from replica.api import stats as stats_codec
+from replica.api.config import ReplicaConfig
+from replica.api.figures import EngineFigures, read_figures
+from replica.api.stats import ReplicaStats
+from router.stats import GatewayStats
+
+
+@contextlib.contextmanager
+def embedded(
+    replicas: int, serve_flags: Sequence[str] = (), gateways: int = 1, timeout_s: float = 600.0
+) -> Iterator[list[str]]:
+    """``prefix-router serve`` (local Ray, N replica actors, gateways on consecutive
+    ports) for the bench; the gateways' URLs, once each has checked every replica."""
+    port = processes.free_ports(gateways)
+    command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways),
+               "--separate-ports", *serve_flags]  # fmt: skip
+    process = processes.start(command, port)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(gateways)]
+
+    def ready(answer: httpx.Response) -> bool:
+        backends = answer.json()["backends"] if answer.status_code == 200 else []
+        return len(backends) == replicas and all(b["routing_mode"] != "checking" for b in backends)
+
+    try:
+        for url in urls:
+            processes.wait_until(url, process, ready, path="/stats", timeout_s=timeout_s)
+        yield urls
+    finally:
+        processes.stop(process)
+
+
+def cluster_gateways(address: str) -> list[str]:
+    """The URLs of the gateways ``prefix-router up`` deployed on the cluster at ``address``."""
+    import ray
+
+    from deploy import cluster
+
+    cluster.connect(address)
+    try:
+        gateways, _ = cluster.status()
+    finally:
+        ray.shutdown()
+    if not gateways:
+        raise ValueError(f"no prefix-router gateway on the cluster at {address}: run `up` first")
+    return sorted({row.url for row in gateways})  # gateways sharing a node's port: one URL
+
+
+@dataclass
+class Fleet:
+    """What the bench knows of its target: the (first) gateway's stats if they are ours
+    (they can switch policy and name their replicas), and each replica's configuration
+    by URL (``None`` for a server that is not one of ours)."""
+
+    gateways: list[str]
+    stats: GatewayStats | None
+    replicas: dict[str, ReplicaConfig | None]
+
+    @property
+    def gateway(self) -> str:
+        return self.gateways[0]
+
+    @property
+    def ours(self) -> bool:
+        return self.stats is not None
+
+    def behind(self, router: str) -> Fleet:
+        """The same replicas, reached through another router (which we cannot switch)."""
+        return Fleet([router], None, self.replicas)
+
+    def replay_config(self) -> ReplayConfig | None:
+        """The simulated twin of the fleet, if every replica is one of ours: the same
+        engines, routed with the very knobs the gateway routes with."""
+        configs = list(self.replicas.values())
+        first = configs[0] if configs else None
+        if first is None or not all(configs):
+            return None
+        routing = self.stats.config.routing if self.stats else ReplayConfig().routing
+        return ReplayConfig(
+            replicas=len(configs),
+            capacity_blocks=first.num_blocks,
+            profile=first.profile,
+            max_num_seqs=first.max_num_seqs,
+            max_num_batched_tokens=first.max_num_batched_tokens,
+            model=first.model,
+            host_blocks=first.host_blocks,
+            host_link=first.host_link,
+            routing=replace(routing, block_size=first.block_size),
+            compute_scale=first.speedup,  # simulated time runs this much faster
+        )
+
+
+def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:
+    """What the target is; our gateways once they have checked every replica (a check's
+    canary prompt, answered during a run, would count in it)."""
+    for url in gateways:
+        check_reachable(client, url)
+    every = [gateway_stats(client, url) for url in gateways]
+    stats = every[0]
+    if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
+        return Fleet(gateways, None, {url: _replica_config(client, url) for url in gateways})
+    deadline = time.monotonic() + checks_s
+    while any(b.routing_mode == "checking" for g in every if g for b in g.backends):
+        if time.monotonic() > deadline:
+            print("warning: a gateway is still checking its replicas", file=sys.stderr)
+            break
+        time.sleep(0.2)
+        every = [gateway_stats(client, url) for url in gateways]
+    stats = every[0] or stats
+    urls = [b.url for b in stats.backends]
+    return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls})
+
+
+def check_reachable(client: httpx.Client, url: str) -> None:
+    """Any answer will do (a router may have no ``/health``); no answer is an error."""
+    try:
+        client.get(f"{url}/health", timeout=10.0)
+    except httpx.HTTPError as error:
+        raise ValueError(f"cannot reach {url} ({type(error).__name__}: {error}): is it "
+                         "running, and is that its URL?") from None  # fmt: skip
+
+
+def gateway_stats(client: httpx.Client, url: str) -> GatewayStats | None:
+    """A prefix-router gateway's ``/stats``; ``None`` if ``url`` is not one."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return stats_codec.decode(GatewayStats, client.get(f"{url}/stats").content)
+    return None
+
+
+def replica_stats(client: httpx.Client, url: str) -> ReplicaStats | None:
+    """One of our replicas' ``/stats``; ``None`` if ``url`` is not one."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return stats_codec.decode(ReplicaStats, client.get(f"{url}/stats").content)
+    return None
+
+
+def _replica_config(client: httpx.Client, url: str) -> ReplicaConfig | None:
+    stats = replica_stats(client, url)
+    return stats.config if stats else None
+
+
+def engine_figures(client: httpx.Client, fleet: Fleet) -> dict[str, EngineFigures]:
+    """What each replica counted (ours or vLLM), by URL; those that did not answer left out."""
+    figures = {}
+    for url in fleet.replicas:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            figures[url] = read_figures(client, url)
+    return figures
