@@ -21,7 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
-from deploy.serving import listening_socket, serve_in_loop
+from deploy.serving import PortBusyError, listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
 from router.app import create_app
 from router.config import GatewayConfig
@@ -102,9 +102,21 @@ def start_gateways(
                 **({"lifetime": "detached"} if detached else {}),
             ).remote(config, host, port)
         )
-    urls = ray.get([handle.url.remote() for handle in handles], timeout=120)
+    urls = [_listening(handle, port) for handle, port in zip(handles, ports, strict=True)]
     ray.get([handle.ready.remote(backends) for handle in handles], timeout=120)
-    return cast(list[str], urls), handles
+    return urls, handles
+
+
+def _listening(handle: Any, port: int) -> str:
+    """The gateway's URL once it listens; a gateway that cannot take its port is
+    removed and its reason raised as the user's error it is (not Ray's traceback)."""
+    try:
+        return cast(str, ray.get(handle.url.remote(), timeout=120))
+    except ray.exceptions.RayTaskError as error:
+        ray.kill(handle, no_restart=True)
+        if isinstance(error.cause, PortBusyError):
+            raise PortBusyError(str(error.cause)) from None
+        raise
 
 
 @dataclass

@@ -181,6 +181,41 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
+    def _tool_choice_as_vllm_checks_it(self) -> ChatCompletionRequest:
+        """vLLM's checks, in its words. Without its tool-call flags vLLM answers
+        ``"auto"`` with text, as the simulated model does; ``"required"`` and a named
+        tool it forces with structured outputs, which the simulated model cannot."""
+        choice = self.tool_choice
+        if self.tools == []:
+            raise ValueError(
+                "`tools` must not be an empty array. "
+                "Either provide at least one tool or omit the field entirely."
+            )
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise ValueError(
+                f"Invalid value for `tool_choice`: {choice}! "
+                'Only named tools, "none", "auto" or "required" are supported.'
+            )
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if name not in {(t.get("function") or {}).get("name") for t in self.tools}:
+                raise ValueError(
+                    "The tool specified in `tool_choice` does not match any "
+                    "of the specified `tools`"
+                )
+        if choice != "auto":
+            raise ValueError(
+                "tool_choice 'required' or a named tool: the simulated model cannot be "
+                "made to call a tool (vLLM forces one with structured outputs); "
+                "send 'auto' or 'none'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")

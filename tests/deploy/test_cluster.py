@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -144,6 +145,21 @@ def test_a_vllm_replica_on_a_ray_start_cluster_up_status_and_down(head, tiny_mod
     assert down.returncode == 0 and "removed 2 actors" in down.stdout
     assert {p.pid for p in vllm_processes()} <= before  # the server stopped with its actor
     assert vllm_work_folders() <= folders  # and its files removed
+
+
+def test_up_on_a_busy_port_names_it_and_leaves_no_gateway_behind(head):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            done = prefix_router("up", "--address", "auto", "--replicas", "1", "--port", str(port))
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert f"error: port {port} on 127.0.0.1 is in use" in done.stderr
+            status = prefix_router("status", "--address", "auto")
+            assert "gateway: not running" in status.stdout
+        finally:
+            prefix_router("down", "--address", "auto")
 
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):

@@ -125,6 +125,21 @@ def test_a_client_that_disconnects_aborts_its_request(replica):
     assert replica_stats(replica).running == 0
 
 
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+#: vLLM's refusals without its tool-call flags, in its words; and what the simulated
+#: model cannot do that vLLM does with structured outputs.
+TOOL_CHOICES_REFUSED = [
+    ({"tools": []}, "`tools` must not be an empty array"),
+    ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tools": [TOOL], "tool_choice": "any"}, "Invalid value for `tool_choice`: any!"),
+    (
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+        "does not match any of the specified `tools`",
+    ),
+    ({"tools": [TOOL], "tool_choice": "required"}, "the simulated model cannot be made to call"),
+]
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -135,6 +150,10 @@ def test_a_client_that_disconnects_aborts_its_request(replica):
         ({"prompt": "x" * 400_000, "max_tokens": 1}, "exceeds the KV cache"),
         ({"prompt": "x", "suffix": "y"}, "suffix is only supported for models with FIM"),
         ({"prompt": "x", "logit_bias": {"word": 5}}, "in logit_bias are not token ids"),
+        *[
+            ({"messages": [{"role": "user", "content": "x"}], **fields}, message)
+            for fields, message in TOOL_CHOICES_REFUSED
+        ],
         (
             {"prompt": "x", "max_tokens": 4, "min_tokens": 9},
             "min_tokens must be less than or equal to max_tokens=4, got 9.",
@@ -160,6 +179,16 @@ def test_a_model_it_does_not_serve_is_a_404_as_vllm_answers(replica):
         assert refused.json()["error"]["param"] == "model" and "gpt-9" in refused.text
         for model in ("sim-llama3-8b", None):  # its own, or none named
             assert post(replica, path, {**body, "model": model, "max_tokens": 1}).status_code == 200
+
+
+def test_tool_choice_auto_or_none_is_answered_with_text_as_vllm_without_tool_flags(replica):
+    for choice in ("auto", "none", None):
+        body = {"messages": [{"role": "user", "content": "rain?"}], "tools": [TOOL],
+                "tool_choice": choice, "max_tokens": 3}  # fmt: skip
+        answer = post(replica, "/v1/chat/completions", body)
+        assert answer.status_code == 200, answer.text
+        message = answer.json()["choices"][0]["message"]
+        assert message["content"] and not message.get("tool_calls")
 
 
 def test_logit_bias_and_min_tokens_do_what_vllm_does_with_them(replica):
