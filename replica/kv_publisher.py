@@ -122,6 +122,11 @@ class KVPublisher:
                 )
         self.publish_load(only_if_changed=True)
 
+    @property
+    def batches(self) -> int:
+        """KV event batches published so far (the next batch's number)."""
+        return self._next_batch
+
     def publish_load(self, only_if_changed: bool = False) -> None:
         report = replace(self._load(), batches=self._next_batch)
         if only_if_changed and report == self._last_load:

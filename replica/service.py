@@ -176,6 +176,7 @@ class Replica:
             steps=engine.num_steps,
             busy_s=engine.busy_s,
             kv_events=self.publisher.endpoint if self.publisher else None,
+            kv_event_batches=self.publisher.batches if self.publisher else 0,
         )
 
     def _cache_figures(self) -> CacheFigures:

@@ -169,4 +169,5 @@ def _stream_stats(backend: Backend) -> KVStreamStats | None:
     return KVStreamStats(
         state.endpoint.endpoint, state.batches, state.gaps, state.replayed,
         state.resyncs, state.stale, percentile(latencies, 50), percentile(latencies, 99),
+        state.indexed_through,
     )  # fmt: skip

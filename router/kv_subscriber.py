@@ -59,6 +59,8 @@ class StreamState:
     #: Runs through ``deliver`` with each new load report, and ``None`` when stale.
     on_load: Callable[[LoadReport | None], None] | None = None
     next_batch: int | None = None  # the batch number expected next (None: none seen)
+    #: The batch after the last one in the index (on the event loop, after ``on_events``).
+    indexed_through: int | None = None
     batches: int = 0
     gaps: int = 0
     replayed: int = 0
@@ -243,11 +245,12 @@ class KVStreams:
             return
         state.next_batch = seq + 1
         state.batches += 1
-        self._deliver(self._applied, state, events, ts if live else 0.0)
+        self._deliver(self._applied, state, seq, events, ts if live else 0.0)
 
-    def _applied(self, state: StreamState, events: list[KVEvent], ts: float) -> None:
+    def _applied(self, state: StreamState, seq: int, events: list[KVEvent], ts: float) -> None:
         """On the event loop: into the index, and how long that took since the replica."""
         state.on_events(events)
+        state.indexed_through = seq + 1
         if ts:
             state.latencies.append(self._clock() - ts)
 

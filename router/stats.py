@@ -102,6 +102,10 @@ class KVStreamStats:
     #: Seconds from a batch's time stamp at the replica to its events in the index.
     latency_p50_s: float | None
     latency_p99_s: float | None
+    #: The number of the batch after the last one in the index (``None``: none yet):
+    #: once it equals the replica's ``kv_event_batches``, the index holds every event
+    #: the replica published (what tests and operators can wait for).
+    indexed_through: int | None = None
 
 
 @dataclass(frozen=True)

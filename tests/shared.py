@@ -188,3 +188,17 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str
         assert time.monotonic() - start < timeout_s, f"{what or 'condition'}: {timeout_s} s"
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def indexed(stats: GatewayStats) -> bool:
+    """The gateway's index holds every KV event each of its replicas published so far."""
+    return all(
+        b.kv_stream is not None
+        and b.kv_stream.indexed_through == replica_stats(b.url).kv_event_batches
+        for b in stats.backends
+    )
+
+
+def wait_until_indexed(gateway: str, timeout_s: float = 10.0) -> None:
+    """Until the gateway at ``gateway`` has indexed every event its replicas published."""
+    wait_for(lambda: indexed(gateway_stats(gateway)), timeout_s, f"{gateway}'s index")

@@ -94,6 +94,9 @@ class ReplicaStats:
     busy_s: float
     #: Where it pushes its KV events and load (``None`` until its server started).
     kv_events: KVEventsEndpoint | None = None
+    #: KV event batches published since it started (never reset): a subscriber whose
+    #: next expected batch is this one has every event so far.
+    kv_event_batches: int = 0
 
 
 def encode(value: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from deploy.processes import free_port, wait_until
+from tests.shared import gateway_stats, indexed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -72,6 +73,20 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
         assert replies[1].usage.prompt_tokens_details.cached_tokens > 200
 
 
+def both_indexed(url: str, timeout_s: float = 10.0) -> None:
+    """Until both gateways behind ``url``'s port have indexed every KV event (each
+    connection reaches one of them: asked until each has said so)."""
+    caught_up: set[int] = set()
+
+    def each() -> bool:
+        stats = gateway_stats(url)
+        if indexed(stats):
+            caught_up.add(stats.pid)
+        return len(caught_up) == 2
+
+    wait_for(each, timeout_s, "both gateways' indexes")
+
+
 def test_serve_with_two_gateways_shares_one_port_between_two_processes():
     with serving("--gateways", "2") as (url, process):
         pids: set[int] = set()
@@ -83,11 +98,15 @@ def test_serve_with_two_gateways_shares_one_port_between_two_processes():
                 break
             time.sleep(0.1)
         assert len(pids) == 2 and process.pid not in pids  # two gateway actors, each ready
-        for question in ("first?", "second?", "third?"):
+        replicas, cached = set(), []
+        for question in ("first?", "second?", "third?", "fourth?"):
             reply = httpx.post(
                 url + "/v1/completions",
                 json={"prompt": "Two gateways, one port. " * 40 + question, "max_tokens": 2},
                 timeout=60,
             )
             assert reply.status_code == 200
-        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+            replicas.add(reply.headers["x-prefix-router-replica"])
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            both_indexed(url)  # whichever gateway the next request reaches knows the cache
+        assert len(replicas) == 1 and min(cached[1:]) > 200  # every turn found the prefix

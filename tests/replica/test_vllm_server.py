@@ -3,7 +3,6 @@ reason, and a crash that leaves nothing of the server behind."""
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -95,5 +94,4 @@ def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(tiny_model
         assert not orphaned.exists()
     finally:
         running.stop()
-    time.sleep(0.1)
     assert running.workdir is None

@@ -3,13 +3,12 @@ replica's cache from its KV events and every replica's load from its reports, wh
 sent the requests."""
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from deploy.processes import running
-from tests.shared import gateway_stats, wait_for
+from tests.shared import gateway_stats, wait_for, wait_until_indexed
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +26,7 @@ def test_a_gateway_predicts_the_cache_another_gateway_filled():
         with running(gateway, gateway) as (first, second):
             prompt = list(range(1, 700))
             filled = complete(first, prompt)
-            wait_for(lambda: sum(b.kv_stream.batches for b in gateway_stats(second).backends) > 0)
-            time.sleep(0.2)
+            wait_until_indexed(second)
             answer = complete(second, prompt)
             assert (
                 answer.headers["x-prefix-router-replica"]

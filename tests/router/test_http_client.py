@@ -46,6 +46,7 @@ OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\
 
 def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_new_one():
     connections = 0
+    hung_up = asyncio.Event()
 
     async def once_then_hang_up(reader, writer):
         nonlocal connections
@@ -55,6 +56,8 @@ def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_new_one():
         writer.write(OK)
         await writer.drain()
         writer.close()  # keep-alive promised, connection dropped: the next request finds it dead
+        await writer.wait_closed()
+        hung_up.set()
 
     async def play() -> None:
         server, url = await serve(once_then_hang_up)
@@ -63,7 +66,8 @@ def test_a_kept_alive_connection_the_server_dropped_is_retried_on_a_new_one():
             answer = await client.post(url + "/v1/completions", BODY)
             assert (answer.status, await answer.read()) == (200, b"{}")
             answer.release()
-            await asyncio.sleep(0.05)
+            await hung_up.wait()  # the next request is sent on the connection now dead
+            hung_up.clear()
         assert connections == 3
         client.close()
         server.close()

@@ -179,7 +179,7 @@ def test_a_follower_cut_off_mid_stream_replays_the_gap_and_loses_nothing(followe
         assert endpoint is not None and endpoint.endpoint.startswith("tcp://127.0.0.1:")
         assert endpoint.load_endpoint.startswith("tcp://127.0.0.1:")
         before = follower.follow(endpoint)
-        time.sleep(0.3)  # connected
+        wait_for(lambda: before.load is not None, what="the stream connected")  # heartbeats
         for i in range(4):
             complete(url, i)
         wait_for(lambda: follower.held() == truth(url), what="the first events")
@@ -294,7 +294,7 @@ def test_a_vllm_server_named_per_backend_is_routed_precisely_and_never_goes_stal
                     )
                     seq += 1
                     time.sleep(0.05)
-                time.sleep(1.5)  # longer than a heartbeat-less stream may stay quiet
+                time.sleep(1.5)  # a duration under test: longer than a stale heartbeat
                 body = {"prompt": [*prompt.tolist(), 7, 8, 9], "max_tokens": 1}
                 for _ in range(3):
                     answer = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
@@ -340,15 +340,6 @@ def test_a_reset_reaches_the_followers_without_waiting_for_a_step(follower):
         assert endpoint is not None
         complete(url, 0)
         follower.follow(endpoint)
-        wait_until(lambda: len(follower.held()[0]) == 6)
+        wait_for(lambda: len(follower.held()[0]) == 6, what="the stored blocks")
         assert httpx.post(url + "/reset").status_code == 200
-        wait_until(
-            lambda: follower.held() == (set(), set()), "the reset never reached the follower"
-        )
-
-
-def wait_until(condition: Any, message: str = "", timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.05)
+        wait_for(lambda: follower.held() == (set(), set()), what="the reset at the follower")

@@ -1,13 +1,11 @@
 """A fleet that tokenizes as a real model does is routed precisely when the gateway is
 given the same tokenizer: the ids it hashes are the ones the engines' events carry."""
 
-import time
-
 import httpx
 import pytest
 
 from deploy.processes import running
-from tests.shared import build_hf_tokenizer, gateway_stats
+from tests.shared import build_hf_tokenizer, wait_until_indexed
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +31,8 @@ def test_the_gateway_routes_precisely_with_the_replicas_tokenizer(tmp_path):
         ):
             first = chat(same, "How do I true a wheel?")
             assert first.status_code == 200, first.text
-            deadline = time.monotonic() + 10
-            while sum(b.kv_stream.batches for b in gateway_stats(same).backends) == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            time.sleep(0.2)  # the rest of the first request's events
+            wait_until_indexed(same)
+            wait_until_indexed(simulated)
             second = chat(same, "What tension should spokes have?")
             assert (
                 second.headers["x-prefix-router-replica"]
