@@ -22,7 +22,7 @@ import xxhash
 
 from replica.api import openai as api
 from replica.api.tokenizer import Tokenizer
-from replica.engine import RequestOutput
+from replica.engine import EngineDead, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,11 @@ class Answer:
                     break
             if self.spec.include_usage:
                 yield event(self._usage_chunk())
-            yield "data: [DONE]\n\n"
+        except EngineDead as dead:  # an error event, never a silent truncation
+            yield event(api.error_body(str(dead), 500))
         finally:
             await outputs.aclose()
+        yield "data: [DONE]\n\n"
 
     async def first_outputs(self, outputs: ChoiceOutputs) -> list[tuple[int, RequestOutput]]:
         """Read until every choice has its first token (every prompt is prefilled)."""
@@ -150,9 +152,12 @@ class Answer:
                     self._advance(self.choices[index], output, outputs)
                     if self._all_done:
                         break
-            yield json.dumps(self._body()).encode()
+            body = self._body()
+        except EngineDead as dead:  # the headers are gone: the body says what happened
+            body = api.error_body(str(dead), 500)
         finally:
             await outputs.aclose()
+        yield json.dumps(body).encode()
 
     @property
     def _all_done(self) -> bool:
@@ -276,7 +281,7 @@ class ChoiceOutputs:
 
     def __init__(self, streams: Sequence[AsyncIterator[RequestOutput]]) -> None:
         self._streams = list(streams)
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | EngineDead | None]] = asyncio.Queue()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._iterator = self._merged()
 
@@ -294,6 +299,8 @@ class ChoiceOutputs:
         remaining = len(self._streams)
         while remaining:
             index, pumped = await self._queue.get()
+            if isinstance(pumped, EngineDead):
+                raise pumped
             if pumped is None:
                 remaining -= 1
             else:
@@ -303,6 +310,8 @@ class ChoiceOutputs:
         try:
             async for output in stream:
                 self._queue.put_nowait((index, output))
+        except EngineDead as dead:  # handed to the reader, who raises it
+            self._queue.put_nowait((index, dead))
         finally:
             self._queue.put_nowait((index, None))
 

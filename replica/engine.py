@@ -99,6 +99,11 @@ class EngineConfig:
         return self.num_blocks * self.block_size
 
 
+class EngineDead(RuntimeError):
+    """The engine stopped stepping (an error killed its loop): every request waiting on
+    it, and every later one, fails with this, as vLLM's do once its engine is dead."""
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced in one step (at most one token: no speculation)."""

@@ -9,10 +9,9 @@ clients see the simulated GPU's timing. All of it runs on one asyncio event loop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from replica.engine import Engine, RequestOutput
+from replica.engine import Engine, EngineDead, RequestOutput
 from replica.sequence import EngineRequest
 
 
@@ -31,7 +30,8 @@ class EngineLoop:
         self._clock = clock
         #: Called after every step's tokens are handed out (the KV event publisher).
         self.on_step = on_step
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        #: Each request's outputs; an :class:`EngineDead` ends them if the loop dies.
+        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineDead]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -40,10 +40,10 @@ class EngineLoop:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
+        """Stop stepping; a loop that died already stops quietly (its error was said)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
     @property
@@ -62,11 +62,15 @@ class EngineLoop:
     def submit(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Queue a request now; iterate the result for its outputs until it finishes.
 
-        Raises ValueError (from the engine) at once if the request can never fit. If
-        the consumer stops early (a client disconnected), the request is aborted.
+        Raises ValueError (from the engine) at once if the request can never fit, and
+        :class:`EngineDead` if the loop died (iterating raises it if the loop dies
+        later). If the consumer stops early (a client disconnected), the request is
+        aborted.
         """
+        if self.failure is not None:
+            raise EngineDead(f"the engine loop stopped: {self.failure}")
         self.engine.add_request(request)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | EngineDead] = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._wake.set()
         return self._outputs(request.request_id, queue)
@@ -78,12 +82,14 @@ class EngineLoop:
             self.engine.abort(request_id)
 
     async def _outputs(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | EngineDead]
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
                 output = await queue.get()
+                if isinstance(output, EngineDead):
+                    raise output
                 finished = output.finished
                 yield output
         finally:
@@ -92,6 +98,15 @@ class EngineLoop:
                 self.engine.abort(request_id)
 
     async def _run(self) -> None:
+        try:
+            await self._step_forever()
+        except Exception as error:  # the loop is dead: no waiting request hangs on it
+            dead = EngineDead(f"the engine loop stopped: {type(error).__name__}: {error}")
+            for queue in self._streams.values():
+                queue.put_nowait(dead)
+            raise
+
+    async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
         clock = self._clock or loop.time
         while True:

@@ -21,7 +21,7 @@ from replica.api.config import ReplicaConfig
 from replica.api.kv_events import KVEventPage
 from replica.api.model_tokenizer import load_tokenizer
 from replica.api.stats import CacheFigures, LoadReport, ReplicaStats
-from replica.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from replica.engine import Engine, EngineConfig, EngineDead, EngineRequest, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
 from replica.metrics import ReplicaMetrics
@@ -60,6 +60,8 @@ class Replica:
         except ValueError as error:
             self.errors += 1
             return JSONResponse(api.error_body(str(error), 400), status_code=400)
+        except EngineDead as dead:  # vLLM's answer once its engine died: a 500
+            return JSONResponse(api.error_body(str(dead), 500), status_code=500)
         self.requests += 1
         started = time.monotonic()
 
@@ -74,7 +76,11 @@ class Replica:
         answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
-        pulled = await answer.first_outputs(outputs)
+        try:
+            pulled = await answer.first_outputs(outputs)
+        except EngineDead as dead:
+            await outputs.aclose()
+            return JSONResponse(api.error_body(str(dead), 500), status_code=500)
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
 
     def _submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
