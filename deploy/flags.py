@@ -150,6 +150,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, engines: Sequence[str]) ->
     )
 
 
+def shell_words(values: Sequence[str]) -> tuple[str, ...]:
+    """A repeatable flag's values (``--engine-arg='--a 1' --engine-arg=--b``), each
+    split as a shell splits words."""
+    return tuple(word for text in values for word in shlex.split(text))
+
+
 def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The ``--engine-arg`` values, each split as a shell splits words."""
-    return tuple(word for text in args.engine_arg for word in shlex.split(text))
+    """The ``--engine-arg`` values, as words."""
+    return shell_words(args.engine_arg)

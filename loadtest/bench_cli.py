@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -18,6 +17,7 @@ from deploy.flags import (
     config_flags,
     config_overrides,
     engine_args,
+    shell_words,
 )
 from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
@@ -197,7 +197,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     """The embedded ``serve``'s flags: a vLLM fleet's model and flags, or the simulated
     replicas' (the user's, else the bench's sizes for its chat workload; traces get what
     the profile's hardware holds); then the user's own."""
-    more = [word for text in args.serve_arg for word in shlex.split(text)]
+    more = list(shell_words(args.serve_arg))
     if args.engine == "vllm":
         if args.model == BenchConfig().model:
             raise ValueError("--engine vllm needs --model PATH, the model folder to serve")
