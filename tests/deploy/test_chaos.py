@@ -75,7 +75,7 @@ def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
     # Requests were in flight on the killed replica: they were retried, not failed.
     assert retries >= 1
     assert back.url != victim.url and back.healthy and back.dispatched > 0
-    # The README's figures (0.04 s and 3.5 s in one run), with room for a slow machine:
+    # One run measured 0.04 s and 3.5 s (2026-11-30); the bounds leave room for a slow machine:
     # a failed request or two failed probes 50 ms apart open the circuit at once, and
     # Ray restarts the actor within seconds.
     assert seen["removed"] < 1.0, seen

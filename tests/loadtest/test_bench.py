@@ -35,7 +35,7 @@ def expected_requests() -> int:
 
 
 #: How far a live hit rate may land from the replay's prediction of the same run: the
-#: README promises agreement, the bench flags rows beyond 5 points.
+#: docs/results.md shows agreement, the bench flags rows beyond 5 points.
 LIVE_REPLAY_GAP = 0.03
 
 

@@ -25,7 +25,7 @@ def fleet(**config) -> ReplayConfig:
 def test_the_seed_experiment_lands_near_the_chapters_figures():
     row = replay_row(replay(chat_workload(), fleet(replicas=1)))
     assert row["failures"] == 0 and row["requests"] == chat_workload().num_requests
-    # The chapter expects about 80% of blocks and 78% of prefill tokens; the README
+    # The chapter expects about 80% of blocks and 78% of prefill tokens; docs/results.md
     # states what this deterministic replay gives, and so does this test.
     assert round(row["block_hit_rate"], 3) == 0.788, row["block_hit_rate"]
     assert round(row["token_hit_rate"], 3) == 0.786, row["token_hit_rate"]
