@@ -57,14 +57,22 @@ class Server(uvicorn.Server):
             loop.call_soon_threadsafe(self._wake.set)
 
 
+#: Connections the kernel holds for a server that has not accepted them yet (uvicorn's).
+BACKLOG = 2048
+
+
 class PortBusyError(ValueError):
     """The port asked for is taken: a user's error, said in one line."""
 
 
 def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A TCP socket bound to ``host:port``. With ``reuse_port``, several processes can
-    bind the same port and the kernel spreads new connections over them (SO_REUSEPORT):
-    that is how several gateways on one machine share one port."""
+    """A TCP socket bound to ``host:port`` and listening. With ``reuse_port``, several
+    processes can bind the same port and the kernel spreads new connections over them
+    (SO_REUSEPORT): that is how several gateways on one machine share one port.
+
+    It listens at once, before its server starts: a client that connects in between
+    (a user pasting `curl` as soon as `serve` prints its address) waits in the backlog
+    instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -78,6 +86,7 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
             raise PortBusyError(f"port {port} on {host} is in use: stop what listens there "
                                 "or give another --port") from None  # fmt: skip
         raise
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 
