@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from replica.api import openai as api
 from replica.api import stats as stats_codec
 from replica.api.stats import KVEventsEndpoint
-from router.backends import follow_ray_replicas, parse_backend
+from router.backends import follow_ray_replicas, parse_backend, sync_ray_replicas
 from router.config import GatewayConfig
 from router.dashboard import STATIC
 from router.dashboard.history import History
@@ -78,7 +78,8 @@ def create_app(
                 url, kv_endpoint = parse_backend(spec)
                 gateway.pool.add(url, kv_endpoint=kv_endpoint)
             follower = None
-            if ray_replica_prefix is not None:
+            if ray_replica_prefix is not None:  # serving starts with the replicas admitted
+                await sync_ray_replicas(gateway.pool, ray_replica_prefix)
                 task = follow_ray_replicas(gateway.pool, ray_replica_prefix)
                 follower = asyncio.get_running_loop().create_task(task)
             yield

@@ -392,31 +392,34 @@ async def describe(client: aiohttp.ClientSession, url: str) -> EngineCard | None
 
 
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:
-    """Keep the pool equal to the live replica actors named ``prefix*`` in this namespace.
+    """Keep the pool equal to the live replica actors named ``prefix*`` in this
+    namespace, one round of :func:`sync_ray_replicas` every ``interval_s``."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await sync_ray_replicas(pool, prefix)
 
-    Every round asks each actor for its card (which starts its server if needed): a
-    new actor is added, one that Ray restarted on another port is re-added with an
-    empty index, and one that is gone or not answering is removed until it answers
-    again. Ray's look-ups block, so they run in a thread; actor calls are awaited.
-    """
+
+async def sync_ray_replicas(pool: BackendPool, prefix: str) -> None:
+    """One round: ask each actor named ``prefix*`` for its card (which starts its
+    server if needed); add a new actor, re-add one that Ray restarted on another port
+    (with an empty index), remove one that is gone or not answering until it answers
+    again. Ray's look-ups block, so they run in a thread; actor calls are awaited."""
     import ray
 
-    while True:
-        try:
-            names = await asyncio.to_thread(ray.util.list_named_actors)
-            wanted = sorted(name for name in names if name.startswith(prefix))
-            cards = await asyncio.gather(*(_actor_card(ray, name) for name in wanted))
-            live = {name: card for name, card in zip(wanted, cards, strict=True) if card}
-            for backend in pool.backends:
-                name = backend.state.replica_id
-                card = live.get(name)
-                if card is None or card.url != backend.url:
-                    await pool.remove(name)
-            for name, card in live.items():
-                pool.add(card.url, replica_id=name, card=card)
-        except Exception as error:  # Ray busy or restarting: try again next round
-            log.warning("following Ray replicas: %r", error)
-        await asyncio.sleep(interval_s)
+    try:
+        names = await asyncio.to_thread(ray.util.list_named_actors)
+        wanted = sorted(name for name in names if name.startswith(prefix))
+        cards = await asyncio.gather(*(_actor_card(ray, name) for name in wanted))
+        live = {name: card for name, card in zip(wanted, cards, strict=True) if card}
+        for backend in pool.backends:
+            name = backend.state.replica_id
+            card = live.get(name)
+            if card is None or card.url != backend.url:
+                await pool.remove(name)
+        for name, card in live.items():
+            pool.add(card.url, replica_id=name, card=card)
+    except Exception as error:  # Ray busy or restarting: try again next round
+        log.warning("following Ray replicas: %r", error)
 
 
 async def _actor_card(ray: Any, name: str, timeout_s: float = 10.0) -> EngineCard | None:

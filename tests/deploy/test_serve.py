@@ -23,9 +23,11 @@ def ray_processes() -> set[int]:
 
 
 @contextlib.contextmanager
-def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def serving(*flags: str, announced: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """``prefix-router serve`` with two replicas, then Ctrl-C, which must end it with
-    status 0 and leave no Ray instance behind."""
+    status 0 and leave no Ray instance behind. ``announced``: yield as soon as it
+    prints its gateway's address, as a user would paste the next command; else once
+    the gateway answers."""
     before = ray_processes()
     port = free_port()
     command = [
@@ -35,7 +37,12 @@ def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(url, process, timeout_s=120)
+        if announced:
+            assert process.stdout is not None
+            while not (line := process.stdout.readline()).startswith("gateway: "):
+                assert line, "serve ended before it printed its gateway"
+        else:
+            wait_until(url, process, timeout_s=120)
         yield url, process
     finally:
         process.send_signal(signal.SIGINT)
@@ -53,11 +60,7 @@ def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
 
 
 def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
-    with serving() as (url, _):
-        for _ in range(100):  # the gateway finds the replica actors by name
-            if len(httpx.get(url + "/stats").json()["backends"]) == 2:
-                break
-            time.sleep(0.1)
+    with serving(announced=True) as (url, _):  # the newcomer's path: the address, then a request
         backends = httpx.get(url + "/stats").json()["backends"]
         assert sorted(b["replica_id"] for b in backends) == ["replica-0", "replica-1"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
