@@ -61,7 +61,7 @@ class Replica:
             self.errors += 1
             return JSONResponse(api.error_body(str(error), 400), status_code=400)
         except EngineDead as dead:  # vLLM's answer once its engine died: a 500
-            return JSONResponse(api.error_body(str(dead), 500), status_code=500)
+            raise api.Rejected(str(dead), 500) from None
         self.requests += 1
         started = time.monotonic()
 
@@ -80,7 +80,7 @@ class Replica:
             pulled = await answer.first_outputs(outputs)
         except EngineDead as dead:
             await outputs.aclose()
-            return JSONResponse(api.error_body(str(dead), 500), status_code=500)
+            raise api.Rejected(str(dead), 500) from None
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
 
     def _submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:

@@ -67,15 +67,13 @@ def replica_stats(url: str) -> ReplicaStats:
 def wait_until_checked(gateway: str, backends: int = 1, timeout_s: float = 60.0) -> GatewayStats:
     """Until the gateway routes ``backends`` backends and has checked each of them (its
     canary prompts are answered: router/backend_check.py)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = gateway_stats(gateway)
-        if len(stats.backends) >= backends and all(
-            b.routing_mode != "checking" for b in stats.backends
-        ):
-            return stats
-        assert time.monotonic() < deadline, f"{gateway} did not check its backends"
-        time.sleep(0.05)
+
+    def checked() -> bool:
+        now = gateway_stats(gateway).backends
+        return len(now) >= backends and all(b.routing_mode != "checking" for b in now)
+
+    wait_for(checked, timeout_s, f"{gateway} checking its backends")
+    return gateway_stats(gateway)
 
 
 def settled(gateway: str, replicas: list[str]) -> GatewayStats:
@@ -191,8 +189,9 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str
 
 
 def indexed(stats: GatewayStats) -> bool:
-    """The gateway's index holds every KV event each of its replicas published so far."""
-    return all(
+    """The gateway has backends, and its index holds every KV event each of them
+    published so far."""
+    return bool(stats.backends) and all(
         b.kv_stream is not None
         and b.kv_stream.indexed_through == replica_stats(b.url).kv_event_batches
         for b in stats.backends

@@ -319,7 +319,8 @@ def _token_ids(prompt: Any, tokenizer: Tokenizer, index: int) -> np.ndarray:
 
 
 class Rejected(ValueError):
-    """A request refused with a 4xx naming the problem (``param``: the field)."""
+    """A request refused with an error status naming the problem (``param``: the
+    field): a 4xx for the client's mistakes, a 500 once the engine is dead."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
