@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -13,11 +14,40 @@ from typing import IO
 
 import httpx
 
+#: Ports handed to a server that binds them later come from below the kernel's ephemeral
+#: range (Linux's default is 32768-60999) and above Ray's worker ports (10002-19999).
+#: A port drawn from the ephemeral range is free only until the next socket bound to
+#: port 0 or the next outgoing connection, which a replica or a Ray worker can make
+#: before the server binds it (a gateway found its port taken so, once in CI).
+HANDED_OUT_PORTS = range(20000, 32768)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free on ``host`` now, that no port-0 bind or outgoing connection takes."""
+    ports = _handed_out_ports()
+    rng = rng or random.Random()
+    for _ in range(200):
+        port = rng.choice(ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in {ports.start}-{ports.stop - 1}")
+
+
+def _handed_out_ports() -> range:
+    """:data:`HANDED_OUT_PORTS`, cut below this machine's ephemeral range where that
+    leaves enough of it."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as lines:
+            ephemeral_low = int(lines.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return HANDED_OUT_PORTS
+    below = range(HANDED_OUT_PORTS.start, min(HANDED_OUT_PORTS.stop, ephemeral_low))
+    return below if len(below) >= 1000 else HANDED_OUT_PORTS
 
 
 def free_ports(count: int, attempts: int = 100) -> int:

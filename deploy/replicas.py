@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
-from deploy.serving import Server, serve_in_loop
+from deploy.processes import free_port
+from deploy.serving import Server, listening_socket, serve_in_loop
 from replica.api.card import EngineCard, sim_card
 from replica.api.config import ReplicaConfig
 from replica.server import create_app
@@ -37,12 +37,6 @@ log = logging.getLogger(__name__)
 
 #: A replica's engine: our simulated one (its config) or vLLM (its model and flags).
 EngineSpec = ReplicaConfig | VLLMConfig
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class SimReplica:
@@ -63,9 +57,10 @@ class SimReplica:
         async with self._starting:
             if self._url is None:
                 host = self.host or ray.util.get_node_ip_address()
-                port = free_port(host)
+                sock = listening_socket(host, 0)  # held from now: no other can take it
+                port = int(sock.getsockname()[1])
                 self._app = create_app(self.config, kv_events_host=host)
-                self._server, self._task = await serve_in_loop(self._app, host, port)
+                self._server, self._task = await serve_in_loop(self._app, host, port, sock)
                 self._url = f"http://{host}:{port}"
             return self._url
 

@@ -38,6 +38,9 @@ def ray_cli(*args: str) -> subprocess.CompletedProcess:
 def head() -> Iterator[str]:
     """`ray start --head` for this module (token authentication on, Ray's default);
     its address; `ray stop` however the tests end."""
+    # Ray turns authentication on for `ray start` only where a token exists (a local
+    # ray.init() writes one): make one as Ray's docs say, so the module runs alone too.
+    assert ray_cli("get-auth-token", "--generate").returncode == 0
     port = free_port()
     started = ray_cli(
         "start", "--head", "--port", str(port), "--num-cpus", "2",
