@@ -1,0 +1,20 @@
+"""The built-in A100 profile against Vidur's published kernel times (benchmarks/data/vidur)."""
+
+from benchmarks.bench_vidur import DECODES, PREFILLS, comparison
+from replica.cost_model import LLAMA3_8B_A100, CostProfile
+
+#: Each step within this of Vidur's kernel time, its KV write left out (see the benchmark).
+TOLERANCE = 0.10
+
+
+def test_every_prefill_and_decode_step_is_within_ten_percent_of_vidurs_profile():
+    rows = comparison(LLAMA3_8B_A100)
+    assert len(rows) == len(PREFILLS) + len(DECODES)
+    for label, ours, _, vidur in rows:
+        assert abs(ours / vidur - 1) <= TOLERANCE, (label, ours, vidur)
+
+
+def test_the_comparison_sees_a_profile_that_is_off():
+    slow = CostProfile(**{**vars(LLAMA3_8B_A100), "compute_efficiency": 0.5})
+    off = [label for label, ours, _, vidur in comparison(slow) if ours / vidur - 1 > TOLERANCE]
+    assert off and all(label.startswith("prefill") for label in off)
