@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from replica.cost_model import LLAMA3_8B_A100, BatchShape, CostProfile
+from replica.cost_model import LLAMA3_8B_A100, CostProfile
 
 DATA = Path(__file__).parent / "data" / "vidur"
 LAYERS = 32  # Llama-3-8B
@@ -85,10 +85,6 @@ def load_vidur(prefix: str) -> VidurProfile:
     return VidurProfile(*({k: mean(v) for k, v in d.items()} for d in (linear, attention, kv_save)))
 
 
-def ours_decode_s(profile: CostProfile, batch: int, context: int) -> float:
-    return profile.step_time(BatchShape(decode_seqs=batch, decode_context_tokens=batch * context))
-
-
 #: (label, cached, new tokens) and (label, batch, context per sequence).
 PREFILLS = [("512", 0, 512), ("2k", 0, 2048), ("8k", 0, 8192), ("16k", 0, 16384),
             ("8k after 1.5k cached", 1536, 6656)]  # fmt: skip
@@ -100,7 +96,7 @@ def comparison(ours: CostProfile = LLAMA3_8B_A100) -> list[tuple[str, float, flo
     vidur = load_vidur("a100_llama3_8b")
     rows = [(f"prefill {label}", ours.prefill_time(c, n), vidur.prefill_s(c, n),
              vidur.prefill_s(c, n, kv_save=False)) for label, c, n in PREFILLS]  # fmt: skip
-    rows += [(f"decode {label}", ours_decode_s(ours, b, c), vidur.decode_s(b, c),
+    rows += [(f"decode {label}", next(ours.decode_step_times(b, b * c, 1)), vidur.decode_s(b, c),
               vidur.decode_s(b, c, kv_save=False)) for label, b, c in DECODES]  # fmt: skip
     return rows
 
