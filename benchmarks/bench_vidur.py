@@ -91,7 +91,7 @@ PREFILLS = [("512", 0, 512), ("2k", 0, 2048), ("8k", 0, 8192), ("16k", 0, 16384)
 DECODES = [(f"batch {b}, {c // 1024}k context", b, c) for c in (1024, 8192) for b in (1, 16, 64)]
 
 
-def comparison(ours: CostProfile = LLAMA3_8B_A100) -> list[tuple[str, float, float, float]]:
+def comparison(ours: CostProfile) -> list[tuple[str, float, float, float]]:
     """Each step: its label, our seconds, Vidur's, and Vidur's without the KV save."""
     vidur = load_vidur("a100_llama3_8b")
     rows = [(f"prefill {label}", ours.prefill_time(c, n), vidur.prefill_s(c, n),
@@ -102,7 +102,7 @@ def comparison(ours: CostProfile = LLAMA3_8B_A100) -> list[tuple[str, float, flo
 
 
 def main() -> None:
-    ours = LLAMA3_8B_A100
+    ours = LLAMA3_8B_A100.profile()
     print(f"Llama-3-8B on an A100: {ours.name} against Vidur's profile (ms per step)")
     print(f"{'step':<30}{'ours':>9}{'Vidur':>9}{'ratio':>7}{'Vidur, no KV save':>19}{'ratio':>7}")
     for label, mine, theirs, unsaved in comparison(ours):

@@ -14,12 +14,21 @@ costs no step time: the copy runs on its own stream while the GPU computes, and 
 blocks are free the moment it is issued. Whether loading beats recomputing depends on
 prompt length: recomputing a short run of tokens hides under the weight read of a
 memory-bound step and is nearly free, while a load always pays its latency and bytes.
+
+A profile is its step costs (:class:`StepCosts`, seconds per term) and its capacities.
+The built-in ones derive their costs from datasheets (:class:`Roofline`); a profile
+file holds costs fitted to a live engine (``prefix-router calibrate``), and every
+``--profile`` takes either.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 
 
 @dataclass(frozen=True)
@@ -87,21 +96,47 @@ def get_link(name: str) -> HostLink:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """Seconds one engine step costs, term by term: what a profile says of an engine,
+    whether derived from a GPU's datasheet (:class:`Roofline`) or fitted to a live one
+    (``prefix-router calibrate``, ``replica/calibration.py``).
+
+    A step costs its fixed and per-sequence overheads plus the larger of its compute
+    (linear layers per token, the LM head per sequence, attention per (query, key)
+    pair) and its memory floor (the weights read once a step, the KV of every decode
+    sequence read). An engine that is compute-bound at every batch (a CPU) has no floor.
+    """
+
+    step_s: float
+    seq_s: float
+    token_s: float
+    attention_pair_s: float
+    lm_head_s: float = 0.0
+    weights_s: float = 0.0
+    kv_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        negative = [name for name, value in vars(self).items() if value < 0]
+        if negative:
+            raise ValueError(f"step costs must not be negative: {', '.join(negative)}")
+
+    def time(self, tokens: int, seqs: int, attention_pairs: float, kv_read_tokens: int) -> float:
+        compute = (
+            self.token_s * tokens + self.lm_head_s * seqs + self.attention_pair_s * attention_pairs
+        )
+        memory = self.weights_s + self.kv_token_s * kv_read_tokens
+        return self.step_s + self.seq_s * seqs + max(compute, memory)
+
+
+@dataclass(frozen=True)
 class CostProfile:
-    """Constants of one model on one GPU. See each profile below for sources."""
+    """One engine's step costs and its capacities: what the simulated replica and the
+    replayer time steps with and size their caches by."""
 
     name: str
-    num_params: float
-    num_layers: int
-    hidden_size: int
+    costs: StepCosts
     kv_bytes_per_token: int
     weight_bytes: float
-    peak_flops: float
-    hbm_bytes_per_s: float
-    compute_efficiency: float
-    memory_efficiency: float
-    step_overhead_s: float
-    seq_overhead_s: float
     #: The GPUs' link to host memory (each GPU of a tensor-parallel group has its own:
     #: ``num_gpus`` links share a copy).
     host_link: HostLink = PCIE5
@@ -113,16 +148,15 @@ class CostProfile:
     #: Host memory per GPU given to the KV tier by default: a DGX H100 has 2 TB of system
     #: memory for 8 GPUs (NVIDIA DGX H100 datasheet), a DGX A100 1 TB.
     host_memory_bytes: float = 256e9
-
-    def __post_init__(self) -> None:
-        if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
-            raise ValueError("efficiencies must lie in (0, 1]")
+    #: Tokens of KV the engine was measured to hold (vLLM's ``num_gpu_blocks`` times its
+    #: block size); ``None``: derived from the memory above.
+    kv_tokens: int | None = None
 
     def step_time(self, batch: BatchShape, link: HostLink | None = None) -> float:
         """Seconds of GPU time for ``batch``; 0 for an empty batch."""
         if batch.num_tokens == 0:
             return 0.0
-        compute = self._time(
+        compute = self.costs.time(
             batch.num_tokens,
             batch.num_seqs,
             batch.prefill_attention_pairs + batch.decode_context_tokens,
@@ -140,7 +174,7 @@ class CostProfile:
     def prefill_time(self, computed: int, tokens: int) -> float:
         """Seconds to prefill ``tokens`` after ``computed`` ones, alone in a step."""
         pairs = tokens * (computed + (tokens + 1) / 2)
-        return self._time(tokens, 1, pairs, 0) if tokens else 0.0
+        return self.costs.time(tokens, 1, pairs, 0) if tokens else 0.0
 
     def load_beats_recompute(
         self, host_tokens: int, computed: int, remaining: int, link: HostLink | None = None
@@ -153,7 +187,10 @@ class CostProfile:
         return self.load_time(host_tokens, 1, link) < recompute
 
     def kv_blocks(self, block_size: int) -> int:
-        """KV blocks the profile's GPUs hold after the weights (as vLLM sizes its pool)."""
+        """KV blocks the engine holds: as measured, or what the GPUs hold after the
+        weights (as vLLM sizes its pool)."""
+        if self.kv_tokens is not None:
+            return self.kv_tokens // block_size
         usable = self.num_gpus * self.gpu_memory_bytes * self.gpu_memory_utilization
         return int((usable - self.weight_bytes) // (self.kv_bytes_per_token * block_size))
 
@@ -167,16 +204,54 @@ class CostProfile:
         """Durations of ``num_steps`` decode-only steps; every step adds a token per
         sequence. Lazy: a caller may stop early."""
         for context in range(context_tokens, context_tokens + num_steps * num_seqs, num_seqs):
-            yield self._time(num_seqs, num_seqs, context, context)
+            yield self.costs.time(num_seqs, num_seqs, context, context)
 
-    def _time(self, tokens: int, seqs: int, attention_pairs: float, kv_read_tokens: int) -> float:
-        flops = (
-            2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attention_pairs
+    def save(self, path: Path) -> None:
+        """Write the profile where ``--profile PATH`` reads it."""
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(self)))
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A model on a GPU, by their datasheets: the constants its :class:`StepCosts` are
+    derived from. See each profile below for sources."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    kv_bytes_per_token: int
+    weight_bytes: float
+    peak_flops: float
+    hbm_bytes_per_s: float
+    compute_efficiency: float
+    memory_efficiency: float
+    step_overhead_s: float
+    seq_overhead_s: float
+    host_link: HostLink = PCIE5
+    num_gpus: int = 1
+    gpu_memory_bytes: float = 80e9
+    host_memory_bytes: float = 256e9
+
+    def __post_init__(self) -> None:
+        if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
+            raise ValueError("efficiencies must lie in (0, 1]")
+
+    def profile(self) -> CostProfile:
+        flops_s = self.peak_flops * self.compute_efficiency
+        bytes_s = self.hbm_bytes_per_s * self.memory_efficiency
+        costs = StepCosts(
+            step_s=self.step_overhead_s,
+            seq_s=self.seq_overhead_s,
+            token_s=2 * self.num_params / flops_s,
+            attention_pair_s=4 * self.num_layers * self.hidden_size / flops_s,
+            weights_s=self.weight_bytes / bytes_s,
+            kv_token_s=self.kv_bytes_per_token / bytes_s,
         )
-        compute_s = flops / (self.peak_flops * self.compute_efficiency)
-        kv_read = self.kv_bytes_per_token * kv_read_tokens
-        memory_s = (self.weight_bytes + kv_read) / (self.hbm_bytes_per_s * self.memory_efficiency)
-        return self.step_overhead_s + self.seq_overhead_s * seqs + max(compute_s, memory_s)
+        return CostProfile(
+            self.name, costs, self.kv_bytes_per_token, self.weight_bytes, self.host_link,
+            self.num_gpus, self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
+        )  # fmt: skip
 
 
 def _llama3_kv_bytes(num_layers: int) -> int:
@@ -195,7 +270,7 @@ def _llama3_kv_bytes(num_layers: int) -> int:
 # Overheads: Vidur's cpu_overheads.csv measured ~2 ms per step at batch 8 for vLLM v0;
 # vLLM v1 removed most of it (vLLM blog, 2024-09-05 "perf update"), hence 1 ms plus
 # 20 us per sequence.
-LLAMA3_8B_H100 = CostProfile(
+LLAMA3_8B_H100 = Roofline(
     name="llama3-8b-h100",
     num_params=8.03e9,
     num_layers=32,
@@ -213,7 +288,7 @@ LLAMA3_8B_H100 = CostProfile(
 # The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e, PCIe
 # Gen4 x16 to the host (NVIDIA A100 datasheet); efficiencies measured on this GPU by
 # Vidur (see above).
-LLAMA3_8B_A100 = CostProfile(
+LLAMA3_8B_A100 = Roofline(
     name="llama3-8b-a100",
     num_params=8.03e9,
     num_layers=32,
@@ -234,7 +309,7 @@ LLAMA3_8B_A100 = CostProfile(
 # (Vidur's Meta-Llama-3-70B.yml), 70.55e9 parameters. Weights and KV heads are split
 # over the four GPUs, so whole-model bytes over four GPUs' bandwidth give the time;
 # lower efficiencies stand for the all-reduce cost of tensor parallelism (assumed).
-LLAMA3_70B_4XH100 = CostProfile(
+LLAMA3_70B_4XH100 = Roofline(
     name="llama3-70b-4xh100",
     num_params=70.55e9,
     num_layers=80,
@@ -250,15 +325,38 @@ LLAMA3_70B_4XH100 = CostProfile(
     num_gpus=4,
 )
 
-PROFILES: dict[str, CostProfile] = {
-    p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A100, LLAMA3_70B_4XH100)
+ROOFLINES: dict[str, Roofline] = {
+    r.name: r for r in (LLAMA3_8B_H100, LLAMA3_8B_A100, LLAMA3_70B_4XH100)
 }
+PROFILES: dict[str, CostProfile] = {name: r.profile() for name, r in ROOFLINES.items()}
 
 CostFn = Callable[[BatchShape], float]
 
 
 def get_profile(name: str) -> CostProfile:
-    try:
+    """A built-in profile by name, or a profile file (``prefix-router calibrate``
+    writes them) by its path."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}") from None
+    if name.endswith(".json") or "/" in name:
+        return _read_profile(Path(name))
+    known = ", ".join(PROFILES)
+    raise ValueError(f"unknown cost profile {name!r}; known: {known}, or a profile file's path")
+
+
+def _read_profile(path: Path) -> CostProfile:
+    try:
+        modified = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        raise ValueError(f"cost profile file {str(path)!r} does not exist") from None
+    return _decode_profile(path, modified)
+
+
+@functools.cache  # a replay builds an engine per replica: the file is read once
+def _decode_profile(path: Path, modified_ns: int) -> CostProfile:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=CostProfile)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"{path}: not a cost profile ({error})") from None
+    except msgspec.DecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
