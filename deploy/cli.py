@@ -23,6 +23,7 @@ from deploy.flags import (
 from deploy.replicas import EngineSpec, ReplicaStartError
 from deploy.serving import serve_http
 from loadtest.bench_cli import add_bench_parser
+from loadtest.calibrate import add_calibrate_parser
 from loadtest.crossover import add_crossover_parser
 from loadtest.replay_cli import add_replay_parser
 from replica.api.card import ENGINES
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(commands)
     add_crossover_parser(commands)
+    add_calibrate_parser(commands)
     add_bench_parser(commands)
     add_replica_parser(commands)
     add_gateway_parser(commands)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -176,6 +178,12 @@ def vllm_processes() -> list[psutil.Process]:
 def vllm_work_folders() -> set[str]:
     """The vLLM servers' work folders in the temporary directory."""
     return {p.name for p in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*")}
+
+
+def prefix_router(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    """A ``prefix-router`` command run to its end, its output captured."""
+    command = [sys.executable, "-m", "deploy.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> float:

@@ -4,6 +4,7 @@ evicted prefix no longer predicted, and a late gateway learning vLLM's cache fro
 replay socket."""
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 
 from deploy import processes
 from replica.api.tokenizer import WORDS
-from tests.shared import vllm_backend, vllm_servers, wait_until_checked
+from replica.cost_model import get_profile
+from tests.shared import prefix_router, vllm_backend, vllm_servers, wait_until_checked
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SYLLABLES = [int(w).to_bytes(4, "little").decode() for w in WORDS]
@@ -172,3 +174,21 @@ def test_a_gateway_that_joins_late_learns_vllms_cache_from_its_replay_socket(
         stream = next(b["kv_stream"] for b in httpx.get(f"{url}/stats").json()["backends"]
                       if b["url"] == held.url)  # fmt: skip
         assert stream["replayed"] > 0
+
+
+def test_calibrate_fits_a_vllm_server_and_reads_its_kv_pool(fresh, tmp_path):
+    """`prefix-router calibrate` against vLLM: a short sweep fits every term, and the
+    profile holds vLLM's own pool (256 blocks of 32 tokens in 16 MB: 2 KB a token)."""
+    out = tmp_path / "calibrated"
+    done = prefix_router(
+        "calibrate", "--backend", fresh[0].url, "--prompt-lengths", "128,512,1024",
+        "--cached-fractions", "0,0.5", "--batch-sizes", "1,4", "--decode-contexts", "128,512",
+        "--decode-tokens", "16", "--repeats", "1", "--no-progress", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = get_profile(str(out / "profile.json"))
+    assert (profile.kv_tokens, profile.kv_bytes_per_token) == (8192, 2048)
+    costs = profile.costs
+    assert min(costs.step_s, costs.token_s, costs.attention_pair_s) > 0
+    median = float(re.search(r"median ([\d.]+)%", done.stdout).group(1))
+    assert median < 10, done.stdout

@@ -1,0 +1,62 @@
+"""`prefix-router calibrate` against a live server: our simulated replica, run at a
+profile whose terms are known, must have them recovered from its HTTP answers alone."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from deploy.processes import running
+from replica.cost_model import PROFILES, StepCosts, get_profile
+from tests.shared import prefix_router
+
+pytestmark = pytest.mark.slow
+
+#: Known terms, large enough to stand out of a loaded machine's HTTP noise.
+KNOWN = StepCosts(step_s=10e-3, seq_s=2e-3, token_s=50e-6, attention_pair_s=40e-9)
+
+
+def test_calibrate_recovers_a_simulated_replicas_terms_and_writes_a_profile(tmp_path):
+    known = tmp_path / "known.json"
+    replace(PROFILES["llama3-8b-h100"], name="known", costs=KNOWN, kv_tokens=65536).save(known)
+    out = tmp_path / "calibrated"
+    with running(["replica", "--profile", str(known)]) as (url,):
+        done = prefix_router(
+            "calibrate", "--backend", url, "--prompt-lengths", "128,512,1024",
+            "--cached-fractions", "0,0.5", "--batch-sizes", "1,4,8", "--decode-contexts",
+            "128,512", "--decode-tokens", "16", "--repeats", "2", "--out", str(out),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "calibrate: 100%" in done.stderr  # the progress bar
+    fitted = get_profile(str(out / "profile.json"))
+    # The step's overhead comes out a little above what the engine sleeps: its own loop
+    # and the HTTP stream run on top. The linear and attention terms trade a little.
+    assert fitted.costs.step_s == pytest.approx(KNOWN.step_s, rel=0.15)
+    assert fitted.costs.seq_s == pytest.approx(KNOWN.seq_s, rel=0.15)
+    assert fitted.costs.token_s == pytest.approx(KNOWN.token_s, rel=0.2)
+    assert fitted.costs.attention_pair_s == pytest.approx(KNOWN.attention_pair_s, rel=0.3)
+    assert fitted.kv_tokens == 65536 and fitted.name == "calibrated-sim-llama3-8b"
+    assert "median" in done.stdout and "| step_s |" in done.stdout
+    table = (out / "calibration.md").read_text()
+    assert table.count("| prefill ") == 6 and table.count("| decode ") == 6
+    assert (out / "calibration.png").stat().st_size > 10_000
+
+    # The profile drives the replayer as a built-in one does.
+    replayed = prefix_router(
+        "replay", "--profile", str(out / "profile.json"), "--replicas", "2",
+        "--chat-num-sessions", "20", "--policies", "cache_aware", "--no-progress",
+        "--json", str(tmp_path / "replay.json"),
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    rows = json.loads((tmp_path / "replay.json").read_text())["rows"]
+    assert rows[0]["capacity_blocks"] == 65536 // 16
+
+
+def test_calibrate_says_what_it_cannot_do():
+    refused = prefix_router("calibrate", "--backend", "127.0.0.1:8000")
+    assert refused.returncode == 2 and "needs http://" in refused.stderr
+    refused = prefix_router("calibrate", "--backend", "http://127.0.0.1:9", "--batch-sizes", "4")
+    assert refused.returncode == 2 and "two sizes" in refused.stderr
+    refused = prefix_router("calibrate", "--backend", "http://127.0.0.1:9", "--no-progress")
+    assert refused.returncode == 2 and "cannot reach http://127.0.0.1:9" in refused.stderr
+    assert "Traceback" not in refused.stderr
