@@ -121,6 +121,13 @@ def add_bench_parser(commands: Any) -> None:
     )
     parser.add_argument("--out", default="reports/bench", help="report directory")
     parser.add_argument("--no-replay", action="store_true", help="skip the replay predictions")
+    parser.add_argument(
+        "--replay-profile",
+        default="",
+        metavar="FILE",
+        help="with --engine vllm: the profile `prefix-router calibrate` wrote for these "
+        "engines, so that the replay predicts their fleet beside each live row",
+    )
     parser.add_argument("--no-progress", action="store_true")
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
     add_config_flags(
@@ -145,6 +152,7 @@ def run_bench(args: argparse.Namespace) -> int:
         users=args.users,
         run_time_s=args.run_time,
         predict=not args.no_replay,
+        replay_profile=args.replay_profile,
         progress=not args.no_progress,
     )
     out = Path(args.out)

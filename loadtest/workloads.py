@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message
+from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message, Tokenizer
 
 ArrivalMode = Literal["poisson", "closed", "trace"]
 ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")
@@ -196,10 +196,28 @@ def _chat_session(
     return Session(f"chat-{index}", start, tuple(turns), app, shared)
 
 
-def _chat_prompt(
-    tokenizer: ByteTokenizer, messages: tuple[Message, ...]
-) -> Callable[[], np.ndarray]:
+def _chat_prompt(tokenizer: Tokenizer, messages: tuple[Message, ...]) -> Callable[[], np.ndarray]:
     return lambda: tokenizer.apply_chat_template(messages)
+
+
+def retokenized(workload: Workload, tokenizer: Tokenizer) -> Workload:
+    """The workload's chat turns as an engine with ``tokenizer`` (and its chat template)
+    reads them, so that a replay of a real model's fleet counts its tokens; turns
+    without messages (token traces) stay as they are."""
+    sessions = []
+    for session in workload.sessions:
+        turns = tuple(
+            replace(turn, build_prompt=_chat_prompt(tokenizer, turn.messages))
+            if turn.messages is not None
+            else turn
+            for turn in session.turns
+        )
+        first = session.turns[0].messages if session.turns else None
+        shared = session.shared_prefix_tokens
+        if first is not None:  # the app's messages: every turn's but the first question
+            shared = len(tokenizer.apply_chat_template(first[:-1], add_generation_prompt=False))
+        sessions.append(replace(session, turns=turns, shared_prefix_tokens=shared))
+    return replace(workload, sessions=tuple(sessions))
 
 
 # ---------------------------------------------------------------------- traces

@@ -51,6 +51,9 @@ class BenchConfig:
     #: Upper bound per policy; a run ends as soon as every session has been played.
     run_time_s: float = 240.0
     predict: bool = True
+    #: The cost profile of engines that are not ours (``prefix-router calibrate``), for
+    #: the replay beside each live row; without it their fleet is not predicted.
+    replay_profile: str = ""
     progress: bool = True
 
     def chat_config(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from loadtest.bench.config import BenchConfig
 from loadtest.bench.targets import Fleet
 from loadtest.replay import replay
 from loadtest.report import Row, replay_row
-from loadtest.workloads import Workload
+from loadtest.workloads import Workload, retokenized
+from replica.api.model_tokenizer import load_tokenizer
 from router.policies import POLICIES
 
 #: A live hit rate further than this from the replay's prediction is flagged.
@@ -18,9 +19,11 @@ REPLAY_TOLERANCE = 0.05
 
 def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) -> Row | None:
     """The offline replay of the same workload on the fleet's simulated twin."""
-    twin = fleet.replay_config()
+    twin = fleet.replay_config(config.replay_profile)
     if twin is None:
         return None
+    if fleet.tokenizer[0] != "bytes4":  # a real model's: count its tokens as it does
+        workload = retokenized(workload, load_tokenizer(*fleet.tokenizer))
     if policy == sglang.LABEL:  # SGLang's router: our re-implementation of its algorithm
         policy = sglang.REPLAYED_AS
     elif policy not in POLICIES:  # a label: only a lone server is predictable, any policy
@@ -39,6 +42,7 @@ def add_prediction(row: Row, predicted: Row | None) -> None:
         replay_ttft_p50_s=predicted["ttft_p50_s"] if predicted else None,
         replay_ttft_p99_s=predicted["ttft_p99_s"] if predicted else None,
         replay_imbalance=predicted["imbalance"] if predicted else None,
+        replay_prompt_tokens=predicted["prompt_tokens"] if predicted else None,
         replay_differs=(
             abs(live - expected) > REPLAY_TOLERANCE
             if live is not None and expected is not None

@@ -83,13 +83,15 @@ class Fleet:
         """The same replicas, reached through another router (which we cannot switch)."""
         return Fleet([router], None, self.replicas)
 
-    def replay_config(self) -> ReplayConfig | None:
-        """The simulated twin of the fleet, if every replica is one of ours: the same
-        engines, routed with the very knobs the gateway routes with."""
+    def replay_config(self, profile: str = "") -> ReplayConfig | None:
+        """The simulated twin of the fleet: the same engines, routed with the very knobs
+        the gateway routes with. Engines of ours are copied; others (vLLM) are timed by
+        ``profile`` (``prefix-router calibrate`` writes one) behind our gateway, or not
+        predicted."""
         configs = list(self.replicas.values())
         first = configs[0] if configs else None
         if first is None or not all(configs):
-            return None
+            return self._engines_twin(profile) if profile else None
         routing = self.stats.config.routing if self.stats else ReplayConfig().routing
         return ReplayConfig(
             replicas=len(configs),
@@ -103,6 +105,38 @@ class Fleet:
             routing=replace(routing, block_size=first.block_size),
             compute_scale=first.speedup,  # simulated time runs this much faster
         )
+
+    def _engines_twin(self, profile: str) -> ReplayConfig | None:
+        """vLLM servers behind our gateway, as simulated engines timed by ``profile``,
+        with its KV capacity (as calibrated) and vLLM's CPU scheduler limits."""
+        if self.stats is None or not self.stats.backends:
+            return None
+        sizes = {b.block_size for b in self.stats.backends}
+        block_size = sizes.pop() if len(sizes) == 1 else None
+        if block_size is None:  # unknown, or several: no one twin
+            return None
+        config = self.stats.config
+        return ReplayConfig(
+            replicas=len(self.stats.backends),
+            profile=profile,
+            max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
+            model=config.model,
+            host_blocks=0,
+            routing=replace(config.routing, block_size=block_size),
+        )
+
+    @property
+    def tokenizer(self) -> tuple[str, str]:
+        """The tokenizer (and chat template) the gateway counts tokens with."""
+        config = self.stats.config if self.stats else None
+        return (config.tokenizer, config.chat_template) if config else ("bytes4", "")
+
+
+#: vLLM's scheduler limits for its OpenAI server on CPUs (``EngineArgs.get_batch_defaults``
+#: in vLLM 0.32): what the twin of a vLLM fleet schedules with.
+VLLM_CPU_MAX_NUM_SEQS = 128
+VLLM_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:

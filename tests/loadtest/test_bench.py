@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -12,6 +13,7 @@ import pytest
 
 from deploy.processes import running
 from loadtest.bench import BenchConfig
+from replica.cost_model import PROFILES, StepCosts
 from tests.shared import VLLM_ARGS
 
 pytestmark = pytest.mark.slow
@@ -33,6 +35,12 @@ def expected_requests() -> int:
     chat = {"num_sessions": 8, "session_rate": 4.0, "think_time_s": 0.3, "reply_tokens": 12}
     return BenchConfig(chat={**chat, "user_tokens": 20}).load().num_requests
 
+
+#: The tiny model's step costs on one core of this machine, as `prefix-router calibrate`
+#: fitted them (2026-12-02): the replay's twin of a vLLM fleet is timed by them.
+TINY_ON_A_CORE = StepCosts(
+    step_s=7.65e-3, seq_s=0.143e-3, token_s=38.1e-6, attention_pair_s=71.8e-9
+)
 
 #: How far a live hit rate may land from the replay's prediction of the same run: the
 #: docs/results.md shows agreement, the bench flags rows beyond 5 points.
@@ -59,6 +67,8 @@ def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[
                 f"{row['label']}: live hit rate {live:.3f}, replay {replay:.3f}"
             )
             assert row["replay_differs"] is False
+            # The replay played the very prompts the engines read, token for token.
+            assert row["replay_prompt_tokens"] == row["client_prompt_tokens"]
         else:
             assert row["replay_token_hit_rate"] is None and row["replay_differs"] is None
     assert 0.0 <= report["meta"]["cpu_busy"] <= 1.0
@@ -149,16 +159,20 @@ def test_bench_against_a_plain_openai_server_runs_one_labelled_policy(tmp_path):
 @pytest.mark.vllm
 def test_bench_engine_vllm_puts_three_routers_in_front_of_real_vllm_servers(tmp_path, tiny_model):
     """`make demo-vllm` in small: round robin, SGLang's router and ours, each in front of
-    the same two vLLM servers, hits counted by vLLM itself and by its answers."""
+    the same two vLLM servers, hits counted by vLLM itself and by its answers; beside
+    each, the replay of the same workload, as the model's tokenizer reads it, on twins
+    timed by a calibrated profile with vLLM's pool."""
     policies = ["round_robin", "sglang_router", "cache_aware"]
+    profile = tmp_path / "profile.json"
+    replace(PROFILES["llama3-8b-h100"], costs=TINY_ON_A_CORE, kv_tokens=8192).save(profile)
     done = bench(
         tmp_path, "--engine", "vllm", "--model", str(tiny_model), "--replicas", "2",
         "--policies", ",".join(policies), "--serve-arg=--stride 1",
-        f"--engine-arg={' '.join(VLLM_ARGS)}",
+        f"--engine-arg={' '.join(VLLM_ARGS)}", "--replay-profile", str(profile),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 vllm replicas" in done.stderr
-    rows = check_report(tmp_path, policies, replayed=False)
+    rows = check_report(tmp_path, policies)
     ours = rows[2]
     assert ours["prediction_exact"] >= 0.95 and ours["prediction_over"] <= 0.05
     assert rows[0]["prediction_exact"] is None and rows[1]["prediction_exact"] is None

@@ -7,9 +7,11 @@ from loadtest.workloads import (
     ChatConfig,
     chat_workload,
     load_workload,
+    retokenized,
     trace_block_tokens,
     trace_prompt,
 )
+from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import ByteTokenizer
 from tests.shared import MOONCAKE_TRACE
 
@@ -132,3 +134,26 @@ def test_bad_workload_specs_are_explained():
         load_workload("chat", {"num_session": 3})
     with pytest.raises(ValueError, match="arrival"):
         ChatConfig(arrival="trace")
+
+
+def test_a_workload_retokenized_counts_tokens_as_the_model_reads_them(tiny_model):
+    """The replay of a vLLM fleet plays the prompts the model's own tokenizer and chat
+    template make of the same messages; token traces stay as they are."""
+    model = load_tokenizer(str(tiny_model))
+    original = chat_workload(ChatConfig(num_sessions=12, num_apps=2))
+    again = retokenized(original, model)
+    for before, after in zip(original.sessions, again.sessions, strict=True):
+        for old, new in zip(before.turns, after.turns, strict=True):
+            assert np.array_equal(new.prompt_token_ids, model.apply_chat_template(new.messages))
+            assert len(new.prompt_token_ids) != len(old.prompt_token_ids)
+            assert new.prompt_token_ids[: after.shared_prefix_tokens].tolist() == (
+                after.turns[0].prompt_token_ids[: after.shared_prefix_tokens].tolist()
+            )
+    shared = {s.app: s.shared_prefix_tokens for s in again.sessions}
+    first = {s.app: s.turns[0].prompt_token_ids for s in again.sessions}
+    for session in again.sessions:  # an app's sessions share its system prompt's tokens
+        n = shared[session.app]
+        assert session.shared_prefix_tokens == n > 100
+        assert np.array_equal(session.turns[0].prompt_token_ids[:n], first[session.app][:n])
+    trace = load_workload(f"trace:{TRACE}", {"limit": 5})
+    assert retokenized(trace, model).sessions[0].turns[0] is trace.sessions[0].turns[0]
