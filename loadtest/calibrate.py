@@ -204,6 +204,7 @@ async def calibrate(config: CalibrateConfig, progress: bool = True) -> Calibrati
         kv_tokens=kv_tokens,
         kv_bytes_per_token=kv_bytes or base.kv_bytes_per_token,
         host_memory_bytes=0.0,  # no host tier unless asked for (--host-blocks)
+        request_s=fitted.request_s,
     )
     return Calibration(fitted, profile)
 

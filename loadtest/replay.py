@@ -178,6 +178,10 @@ class Simulation:
         self.shared_prefix_evictions = 0
         self._seed = _tenant_seeds(config.model)
         self._stride_tokens = config.routing.stride_tokens
+        #: What a request spends outside the engine, as its client sees it: added to its
+        #: first token and its end (the engines are not told: admitting every request
+        #: that much later would move them all alike).
+        self._request_s = self.engines[0].cost.request_s
         self._in_flight: dict[str, tuple[int, int, RoutingRequest, int]] = {}  # ..., router
         self._stepping = [False] * config.replicas
         #: The burst each engine is in, with the iterations it will run (None: none).
@@ -324,11 +328,11 @@ class Simulation:
             session_index, turn_index, routing, router = self._in_flight[output.request_id]
             policy, replica = self.routers[router][0], self.routers[router][1][index]
             if record.first_token_s is None:
-                record.first_token_s = self.now
+                record.first_token_s = self.now + self._request_s
                 load.prefilled(routing, replica)
             if output.finished:
                 del self._in_flight[output.request_id]
-                record.finish_s = self.now
+                record.finish_s = self.now + self._request_s
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
                 load.completed(policy, routing, replica, output.num_cached_tokens)
@@ -350,9 +354,11 @@ class Simulation:
             return
         if turn_index + 1 < len(session.turns):
             think = session.turns[turn_index + 1].think_time_s
-            self._schedule_arrival(self.now + think, session_index, turn_index + 1)
+            self._schedule_arrival(
+                self.now + self._request_s + think, session_index, turn_index + 1
+            )
         elif self._idle_sessions:
-            self._schedule_arrival(self.now, self._idle_sessions.pop(), 0)
+            self._schedule_arrival(self.now + self._request_s, self._idle_sessions.pop(), 0)
 
     # ----------------------------------------------------- shared-prefix watch
 

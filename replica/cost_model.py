@@ -151,6 +151,10 @@ class CostProfile:
     #: Tokens of KV the engine was measured to hold (vLLM's ``num_gpu_blocks`` times its
     #: block size); ``None``: derived from the memory above.
     kv_tokens: int | None = None
+    #: Seconds a request spends outside the engine's steps (the API server's HTTP,
+    #: tokenizing, detokenizing), as calibrated. The replayer adds it to every request's
+    #: times; a live simulated replica pays its own instead.
+    request_s: float = 0.0
 
     def step_time(self, batch: BatchShape, link: HostLink | None = None) -> float:
         """Seconds of GPU time for ``batch``; 0 for an empty batch."""

@@ -10,6 +10,7 @@ import pytest
 from loadtest.replay import ReplayConfig, Simulation, infinite_cache_bound, replay
 from loadtest.report import ROW_KEYS, replay_row
 from loadtest.workloads import ChatConfig, chat_workload, load_workload
+from replica.cost_model import PROFILES
 from tests.shared import MOONCAKE_TRACE
 
 POLICY_NAMES = ("round_robin", "power_of_two", "sglang_cache_aware", "cache_aware")
@@ -292,3 +293,21 @@ def test_router_options_are_checked():
         fleet(routers=0)
     with pytest.raises(ValueError, match="event_delay_s not negative"):
         fleet(event_delay_s=-0.1)
+
+
+def test_a_profiles_request_time_is_added_to_what_each_client_sees(tmp_path):
+    """A calibrated profile's time outside the engine (HTTP, tokenizing) lengthens every
+    request's time to first token and end by itself, and delays the session's next turn."""
+    workload = chat_workload(ChatConfig(num_sessions=1, mean_turns=4, max_turns=4, seed=3))
+    path = tmp_path / "profile.json"
+    replace(PROFILES["llama3-8b-h100"], name="slow-api", request_s=0.05).save(path)
+    plain = replay(workload, ReplayConfig(replicas=1), "round_robin").records
+    slow = replay(workload, ReplayConfig(replicas=1, profile=str(path)), "round_robin").records
+    assert len(plain) == len(slow) > 1
+    for before, after in zip(plain, slow, strict=True):
+        ttft = after.first_token_s - after.arrival_s
+        assert ttft == pytest.approx(before.first_token_s - before.arrival_s + 0.05)
+        assert after.finish_s - after.arrival_s == pytest.approx(
+            before.finish_s - before.arrival_s + 0.05
+        )
+    assert slow[-1].arrival_s == pytest.approx(plain[-1].arrival_s + 0.05 * (len(slow) - 1))

@@ -13,6 +13,7 @@ from router.http_client import Client, Timeouts, UpstreamError
 BODY = json.dumps({"prompt": "a short question", "max_tokens": 2, "ignore_eos": True}).encode()
 
 
+@pytest.mark.slow  # it starts a replica
 def test_answers_are_read_whole_or_by_line_over_one_kept_alive_connection():
     async def play(url: str) -> None:
         client = Client()
