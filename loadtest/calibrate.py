@@ -120,6 +120,12 @@ class Server:
             await self.stream(prompt[:prefix], 1)  # now cached, as far as whole blocks go
         start = time.perf_counter()
         times, cached = await self.stream(prompt, 1)
+        if cached is None and prefix:
+            raise ValueError(
+                f"{self.url} reports no cached tokens in its usage, so what it found cached "
+                "is unknown: start vLLM with --enable-prompt-tokens-details, or give "
+                "--cached-fractions 0"
+            )
         return PrefillSample(length, cached or 0, chunk, times[0] - start)
 
     async def decode(self, seqs: int, context: int, tokens: int) -> DecodeSample:

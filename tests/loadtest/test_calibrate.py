@@ -1,13 +1,17 @@
 """`prefix-router calibrate` against a live server: our simulated replica, run at a
 profile whose terms are known, must have them recovered from its HTTP answers alone."""
 
+import asyncio
 import json
 from dataclasses import replace
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from deploy.cli import main
-from deploy.processes import running
+from deploy.processes import free_port, running
+from loadtest.calibrate import Server
 from replica.cost_model import PROFILES, StepCosts, get_profile
 from tests.shared import prefix_router
 
@@ -65,3 +69,35 @@ def test_calibrate_says_what_it_cannot_do(capsys, args, says):
     assert main(["calibrate", *args, "--no-progress"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("prefix-router calibrate: error: ") and says in line
+
+
+def test_a_server_that_does_not_report_its_cached_tokens_is_named():
+    """A server whose usage has no ``cached_tokens`` (vLLM without
+    --enable-prompt-tokens-details): a cached fraction cannot be measured, and says so."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await answer.prepare(request)
+        await answer.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await answer.write(b'data: {"choices": [], "usage": {"prompt_tokens": 9}}\n\n')
+        await answer.write(b"data: [DONE]\n\n")
+        return answer
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                server = Server(session, f"http://127.0.0.1:{port}", "m", seed=0)
+                alone = await server.prefill(64, 0.0, 2048)
+                assert alone.cached == 0 and alone.ttft_s > 0
+                with pytest.raises(ValueError, match="enable-prompt-tokens-details"):
+                    await server.prefill(64, 0.5, 2048)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
