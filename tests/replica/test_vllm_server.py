@@ -3,6 +3,7 @@ reason, and a crash that leaves nothing of the server behind."""
 
 import os
 import signal
+import socket
 
 import psutil
 import pytest
@@ -54,44 +55,51 @@ def test_a_server_on_cores_of_its_own_gets_a_thread_per_core(tmp_path, tiny_mode
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_start_that_fails_says_why_and_leaves_no_folder(tiny_model):
-    failing = server(str(tiny_model), "--block-size", "16")  # the CPU build wants 32s
+    # Longer than the model's positions: vLLM refuses it before loading any weights.
+    failing = server(str(tiny_model), "--max-model-len", "1000000")
     with pytest.raises(RuntimeError, match="stopped while starting") as error:
         failing.start()
-    assert "block size" in str(error.value)  # vLLM's own reason, quoted from its log
+    assert "max_model_len" in str(error.value)  # vLLM's own reason, quoted from its log
     assert failing.workdir is None and not failing.alive()
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(tiny_model):
-    """vLLM is several processes: killing the API server, as the kernel's OOM killer
-    would, leaves no engine core holding the ports, and the server starts again; killing
-    the guard outright, as Ray kills a killed actor's children, ends the server too, and
-    the next server started sweeps the folder it left."""
-    running = server(str(tiny_model), *VLLM_ARGS, cpus=(0,))
+    """vLLM is several processes: killing one server's API server, as the kernel's OOM
+    killer would, leaves no engine core holding its ports; killing another's guard
+    outright, as Ray kills a killed actor's children, ends that server too, and the next
+    server started sweeps the folder it left. (Both start together, on a core each.)"""
+    first, second = running = [server(str(tiny_model), *VLLM_ARGS, cpus=(i,)) for i in (0, 1)]
     try:
-        running.start()
-        guard = psutil.Process(running.process.pid)
+        for started in running:
+            started.launch()
+        for started in running:
+            started.wait_ready()
+        guard = psutil.Process(first.process.pid)
         group = guard.children(recursive=True)
         assert len(group) >= 2 and all(p.cpu_affinity() == [0] for p in [guard, *group])
-        folder = running.workdir
         (api,) = guard.children()
         os.kill(api.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs([guard, *group], timeout=20)
         assert not alive, f"left running: {alive}"
+        for port in (first.ports.http, first.ports.kv_events, first.ports.replay):
+            with socket.socket() as probe:  # nothing of the server holds its ports
+                probe.bind(("127.0.0.1", port))
+        folder = first.workdir
+        first.stop()  # a dead server's stop still removes its folder
+        assert first.workdir is None and folder is not None and not folder.exists()
 
-        running.start()  # the same ports are free again
-        assert running.healthy() and running.workdir != folder and not folder.exists()
-        guard = psutil.Process(running.process.pid)
+        guard = psutil.Process(second.process.pid)
         group = guard.children(recursive=True)
         os.kill(guard.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs(group, timeout=30)
         assert not alive, f"outlived their guard: {alive}"
-        running.process.wait()  # reaped, as init reaps it once its owner is gone too
-        orphaned, running.workdir = running.workdir, None
+        second.process.wait()  # reaped, as init reaps it once its owner is gone too
+        orphaned, second.workdir = second.workdir, None
         assert orphaned.exists()
         remove_orphaned_folders()  # what every server's launch does first
         assert not orphaned.exists()
     finally:
-        running.stop()
-    assert running.workdir is None
+        for started in running:
+            started.stop()
