@@ -11,6 +11,7 @@ from loadtest.replay import replay
 from loadtest.report import Row, replay_row
 from loadtest.workloads import Workload, retokenized
 from replica.api.model_tokenizer import load_tokenizer
+from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.policies import POLICIES
 
 #: A live hit rate further than this from the replay's prediction is flagged.
@@ -22,7 +23,7 @@ def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) 
     twin = fleet.replay_config(config.replay_profile)
     if twin is None:
         return None
-    if fleet.tokenizer[0] != "bytes4":  # a real model's: count its tokens as it does
+    if fleet.tokenizer[0] != DEFAULT_TOKENIZER:  # a real model's: count its tokens as it does
         workload = retokenized(workload, load_tokenizer(*fleet.tokenizer))
     if policy == sglang.LABEL:  # SGLang's router: our re-implementation of its algorithm
         policy = sglang.REPLAYED_AS

@@ -18,6 +18,7 @@ from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
 from replica.api.figures import EngineFigures, read_figures
 from replica.api.stats import ReplicaStats
+from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.stats import GatewayStats
 
 
@@ -130,7 +131,7 @@ class Fleet:
     def tokenizer(self) -> tuple[str, str]:
         """The tokenizer (and chat template) the gateway counts tokens with."""
         config = self.stats.config if self.stats else None
-        return (config.tokenizer, config.chat_template) if config else ("bytes4", "")
+        return (config.tokenizer, config.chat_template) if config else (DEFAULT_TOKENIZER, "")
 
 
 #: vLLM's scheduler limits for its OpenAI server on CPUs (``EngineArgs.get_batch_defaults``

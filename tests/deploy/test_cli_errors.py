@@ -2,19 +2,13 @@
 2, no traceback, and at once (no command waits for what is not there)."""
 
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deploy.processes import free_port
-
-
-def prefix_router(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "deploy.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+from tests.shared import prefix_router
 
 
 def refused(*args: str) -> str:
