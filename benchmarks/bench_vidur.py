@@ -1,4 +1,4 @@
-"""The built-in A100 cost profile against Vidur's published per-operator profiles.
+"""The built-in cost profiles against Vidur's published per-operator profiles.
 
 Vidur (microsoft/vidur, MLSys 2024) profiles every operator of a transformer layer on
 real GPUs; its model time of a batch is the sum over a layer's operators, times the
@@ -8,11 +8,13 @@ their source in ``SOURCE.md``), so this runs offline:
 
     python -m benchmarks.bench_vidur
 
-It prints, for Llama-3-8B on an A100, prefill and decode steps as our
-``replica/cost_model.py`` times them and as Vidur's profile does, and their ratio.
-Vidur profiles chunks up to 16,384 tokens (no 32k row) and prefixes only in
-multiples of the chunk: "6,656 after 1,536 cached" interpolates its attention
-linearly between the chunk's rows with no prefix and with a 6,656-token prefix.
+It prints, for Llama-3-8B on an A100 (Vidur's profile) and an H100 (derived op by
+op from Vidur's H100 Llama-2-7B rows: :func:`derived_h100`), prefill and decode steps
+as our ``replica/cost_model.py`` times them, whole and for the layers alone, beside
+Vidur's, and their ratio. Vidur profiles chunks up to 16,384 tokens (32k is
+extrapolated) and prefixes only in multiples of the chunk: "6,656 after 1,536
+cached" interpolates its attention linearly between the chunk's rows with no prefix
+and with a 6,656-token prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from replica.cost_model import LLAMA3_8B_A100, CostProfile
+from replica.cost_model import LLAMA3_8B_A100, LLAMA3_8B_H100, Roofline
 
 DATA = Path(__file__).parent / "data" / "vidur"
 LAYERS = 32  # Llama-3-8B
@@ -53,17 +55,28 @@ class VidurProfile:
         def at(key: tuple[bool, int, int, int]) -> float:
             return self.attention_ms[key] + (self.kv_save_ms[key] if kv_save else 0.0)
 
+        largest = max(chunk for _, _, chunk, _ in self.attention_ms)
         if (True, 1, tokens, cached) in self.attention_ms:
             attention = at((True, 1, tokens, cached))
+        elif tokens > largest and not cached:  # quadratic in the chunk, as Vidur fits it
+            attention = at((True, 1, largest, 0)) * (tokens / largest) ** 2
         else:  # linear in the prefix between the rows Vidur has for this chunk
             bare, full = at((True, 1, tokens, 0)), at((True, 1, tokens, tokens))
             attention = bare + (full - bare) * cached / tokens
-        return LAYERS * (self.linear_ms[tokens] + attention) / 1e3
+        return LAYERS * (self.linear(tokens) + attention) / 1e3
+
+    def linear(self, tokens: int) -> float:
+        """A row's time, or the largest row's scaled by tokens (GEMMs at full size
+        are linear in them)."""
+        if tokens in self.linear_ms:
+            return self.linear_ms[tokens]
+        largest = max(self.linear_ms)
+        return self.linear_ms[largest] * tokens / largest
 
     def decode_s(self, batch: int, context: int, kv_save: bool = True) -> float:
         key = (False, batch, 0, context)
         attention = self.attention_ms[key] + (self.kv_save_ms[key] if kv_save else 0.0)
-        return LAYERS * (self.linear_ms[batch] + attention) / 1e3
+        return LAYERS * (self.linear(batch) + attention) / 1e3
 
 
 def load_vidur(prefix: str) -> VidurProfile:
@@ -85,31 +98,109 @@ def load_vidur(prefix: str) -> VidurProfile:
     return VidurProfile(*({k: mean(v) for k, v in d.items()} for d in (linear, attention, kv_save)))
 
 
+def derived_h100(a100: VidurProfile, h100_llama2: dict[str, dict[int, float]]) -> VidurProfile:
+    """Llama-3-8B on an H100, derived op by op: Vidur has it on A100 only, and Llama-2-7B
+    on H100 (MLP rows only: its H100 attention rows were not found).
+
+    Each linear operator's Llama-2-7B time scales with its weight matrix's size
+    (Llama-3-8B's QKV projection is half Llama-2-7B's under GQA, its MLP 1.30 times):
+    at a fixed token count a GEMM's FLOPs and its bytes both scale so. Attention is
+    A100's, over the ratio of attention throughput: long prefill at FlashAttention-2's
+    35% of an H100's peak against the 55% Vidur's rows reach on A100, and decode (which
+    reads KV) over the ratio of HBM bandwidths. The attention rows are therefore a
+    derivation from the same sources the profile's attention efficiency comes from,
+    not an independent check; the linear rows are one.
+    """
+    linear = {
+        tokens: sum(H100_WEIGHT_RATIO[op] * h100_llama2[op][tokens] for op in LINEAR_OPS)
+        for tokens in h100_llama2["add"]
+    }
+    prefill_scale = (312e12 * 0.55) / (989.4e12 * 0.35)
+    decode_scale = 2.039e12 / 3.35e12
+
+    def scaled(times: dict[tuple[bool, int, int, int], float]) -> dict:
+        return {k: t * (prefill_scale if k[0] else decode_scale) for k, t in times.items()}
+
+    return VidurProfile(linear, scaled(a100.attention_ms), scaled(a100.kv_save_ms))
+
+
+#: Llama-3-8B's weight over Llama-2-7B's, per operator (their configs in SOURCE.md):
+#: QKV 4096 x (4096 + 2 x 1024) against 4096 x 3 x 4096; rotary over 32 + 8 heads
+#: against 32 + 32; MLP hidden 14,336 against 11,008; the rest the same shape.
+H100_WEIGHT_RATIO = {
+    "input_layernorm": 1.0, "attn_pre_proj": 6144 / 12288, "attn_rope": 40 / 64,
+    "attn_post_proj": 1.0, "post_attention_layernorm": 1.0, "mlp_up_proj": 14336 / 11008,
+    "mlp_act": 14336 / 11008, "mlp_down_proj": 14336 / 11008, "add": 1.0,
+}  # fmt: skip
+
+
+def load_ops(path: Path) -> dict[str, dict[int, float]]:
+    """Each operator's median by token count (rows measured twice averaged)."""
+    ops: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    with open(path) as rows:
+        for row in csv.DictReader(rows):
+            for op in LINEAR_OPS:
+                ops[op][int(row["num_tokens"])].append(float(row[f"time_stats.{op}.median"]))
+    return {op: {n: mean(v) for n, v in by.items()} for op, by in ops.items()}
+
+
 #: (label, cached, new tokens) and (label, batch, context per sequence).
 PREFILLS = [("512", 0, 512), ("2k", 0, 2048), ("8k", 0, 8192), ("16k", 0, 16384),
-            ("8k after 1.5k cached", 1536, 6656)]  # fmt: skip
+            ("32k", 0, 32768), ("8k after 1.5k cached", 1536, 6656)]  # fmt: skip
 DECODES = [(f"batch {b}, {c // 1024}k context", b, c) for c in (1024, 8192) for b in (1, 16, 64)]
 
 
-def comparison(ours: CostProfile) -> list[tuple[str, float, float, float]]:
-    """Each step: its label, our seconds, Vidur's, and Vidur's without the KV save."""
-    vidur = load_vidur("a100_llama3_8b")
-    rows = [(f"prefill {label}", ours.prefill_time(c, n), vidur.prefill_s(c, n),
-             vidur.prefill_s(c, n, kv_save=False)) for label, c, n in PREFILLS]  # fmt: skip
-    rows += [(f"decode {label}", next(ours.decode_step_times(b, b * c, 1)), vidur.decode_s(b, c),
-              vidur.decode_s(b, c, kv_save=False)) for label, b, c in DECODES]  # fmt: skip
+@dataclass(frozen=True)
+class Row:
+    label: str
+    #: Our step: the whole model with its overheads; the layers alone, as Vidur times it.
+    ours_s: float
+    ours_layers_s: float
+    vidur_s: float
+    vidur_unsaved_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_layers_s / self.vidur_unsaved_s
+
+
+def comparison(ours: Roofline, vidur: VidurProfile) -> list[Row]:
+    """Each step timed by the profile (whole, and its layers alone) and by Vidur (with
+    and without its KV-cache write)."""
+    whole, layers = ours.profile(), ours.layers_only().profile()
+    rows = [
+        Row(f"prefill {label}", whole.prefill_time(c, n), layers.prefill_time(c, n),
+            vidur.prefill_s(c, n), vidur.prefill_s(c, n, kv_save=False))
+        for label, c, n in PREFILLS
+    ]  # fmt: skip
+    rows += [
+        Row(f"decode {label}", next(whole.decode_step_times(b, b * c, 1)),
+            next(layers.decode_step_times(b, b * c, 1)), vidur.decode_s(b, c),
+            vidur.decode_s(b, c, kv_save=False))
+        for label, b, c in DECODES
+    ]  # fmt: skip
     return rows
 
 
+def vidur_profiles() -> dict[str, tuple[Roofline, VidurProfile]]:
+    a100 = load_vidur("a100_llama3_8b")
+    h100 = derived_h100(a100, load_ops(DATA / "h100_llama2_7b_mlp.csv"))
+    return {"A100 (Vidur's profile)": (LLAMA3_8B_A100, a100),
+            "H100 (derived from Vidur's Llama-2-7B)": (LLAMA3_8B_H100, h100)}  # fmt: skip
+
+
 def main() -> None:
-    ours = LLAMA3_8B_A100.profile()
-    print(f"Llama-3-8B on an A100: {ours.name} against Vidur's profile (ms per step)")
-    print(f"{'step':<30}{'ours':>9}{'Vidur':>9}{'ratio':>7}{'Vidur, no KV save':>19}{'ratio':>7}")
-    for label, mine, theirs, unsaved in comparison(ours):
-        print(f"{label:<30}{mine * 1e3:>9.2f}{theirs * 1e3:>9.2f}{mine / theirs:>7.2f}"
-              f"{unsaved * 1e3:>19.2f}{mine / unsaved:>7.2f}")  # fmt: skip
-    print("Vidur's figures are GPU kernel time without LM head, embedding or CPU overhead;")
-    print("ours include the profile's step and sequence overheads.")
+    for gpu, (roofline, vidur) in vidur_profiles().items():
+        print(f"\nLlama-3-8B on an {gpu}: {roofline.name}, ms per step")
+        print(f"{'step':<30}{'ours':>9}{'layers':>9}{'Vidur':>9}{'no KV save':>12}{'ratio':>7}")
+        for row in comparison(roofline, vidur):
+            times = (row.ours_s, row.ours_layers_s, row.vidur_s)
+            print(f"{row.label:<30}" + "".join(f"{t * 1e3:>9.2f}" for t in times)
+                  + f"{row.vidur_unsaved_s * 1e3:>12.2f}{row.ratio:>7.2f}")  # fmt: skip
+    print("\nVidur's figures are GPU kernel time of the 32 layers, without embedding, LM head")
+    print("or CPU overhead: 'layers' is our step so (the ratio is layers over Vidur without")
+    print("its KV save); 'ours' is the whole step the replayer times, overheads included.")
+    print("32k: Vidur profiles chunks up to 16k; its 32k attention is the 16k row times 4.")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -217,19 +217,31 @@ class CostProfile:
 
 @dataclass(frozen=True)
 class Roofline:
-    """A model on a GPU, by their datasheets: the constants its :class:`StepCosts` are
-    derived from. See each profile below for sources."""
+    """A model on a GPU, by their datasheets and measured kernel efficiencies: the
+    constants its :class:`StepCosts` are derived from. See each profile below for
+    sources.
+
+    The linear layers cost 2 FLOPs per parameter per token, except the embedding (a
+    lookup) and the LM head, which prefill runs on each sequence's last token only.
+    Attention has an efficiency of its own: its kernels reach a different fraction
+    of peak than the GEMMs do, and the fraction differs by GPU.
+    """
 
     name: str
     num_params: float
     num_layers: int
     hidden_size: int
+    vocab_size: int
     kv_bytes_per_token: int
     weight_bytes: float
     peak_flops: float
     hbm_bytes_per_s: float
     compute_efficiency: float
+    attention_efficiency: float
     memory_efficiency: float
+    #: Decode attention streams each sequence's KV in long reads, nearer peak
+    #: bandwidth than the many GEMMs' weight reads.
+    kv_read_efficiency: float
     step_overhead_s: float
     seq_overhead_s: float
     host_link: HostLink = PCIE5
@@ -238,23 +250,49 @@ class Roofline:
     host_memory_bytes: float = 256e9
 
     def __post_init__(self) -> None:
-        if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
+        efficiencies = (
+            self.compute_efficiency, self.attention_efficiency,
+            self.memory_efficiency, self.kv_read_efficiency,
+        )  # fmt: skip
+        if not all(0 < e <= 1 for e in efficiencies):
             raise ValueError("efficiencies must lie in (0, 1]")
 
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
     def profile(self) -> CostProfile:
-        flops_s = self.peak_flops * self.compute_efficiency
+        gemm_flops_s = self.peak_flops * self.compute_efficiency
+        attention_flops_s = self.peak_flops * self.attention_efficiency
         bytes_s = self.hbm_bytes_per_s * self.memory_efficiency
+        bytes_per_param = self.weight_bytes / self.num_params
+        # Untied embeddings: the table and the LM head are the same size.
+        layer_params = self.num_params - 2 * self.lm_head_params
         costs = StepCosts(
             step_s=self.step_overhead_s,
             seq_s=self.seq_overhead_s,
-            token_s=2 * self.num_params / flops_s,
-            attention_pair_s=4 * self.num_layers * self.hidden_size / flops_s,
-            weights_s=self.weight_bytes / bytes_s,
-            kv_token_s=self.kv_bytes_per_token / bytes_s,
+            token_s=2 * layer_params / gemm_flops_s,
+            attention_pair_s=4 * self.num_layers * self.hidden_size / attention_flops_s,
+            lm_head_s=2 * self.lm_head_params / gemm_flops_s,
+            # A decode step reads every weight but the embedding table's unused rows.
+            weights_s=(self.num_params - self.lm_head_params) * bytes_per_param / bytes_s,
+            kv_token_s=self.kv_bytes_per_token / (self.hbm_bytes_per_s * self.kv_read_efficiency),
         )
         return CostProfile(
             self.name, costs, self.kv_bytes_per_token, self.weight_bytes, self.host_link,
             self.num_gpus, self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
+        )  # fmt: skip
+
+    def layers_only(self) -> Roofline:
+        """The transformer layers alone, as Vidur times a model: no embedding, no LM
+        head, no step overhead. The per-sequence cost stays: it stands as much for the
+        GEMMs' time growing with the batch in a memory-bound step (Vidur's A100 layer:
+        0.30 to 0.35 ms from 1 to 64 tokens, 24 us a sequence over 32 layers) as for
+        the CPU's work per sequence."""
+        layer_params = self.num_params - 2 * self.lm_head_params
+        return replace(
+            self, num_params=layer_params, vocab_size=0, step_overhead_s=0.0,
+            weight_bytes=self.weight_bytes * layer_params / self.num_params,
         )  # fmt: skip
 
 
@@ -263,29 +301,37 @@ def _llama3_kv_bytes(num_layers: int) -> int:
     return 2 * num_layers * 8 * 128 * 2
 
 
-# Llama-3-8B: 32 layers, hidden 4096, 8 KV heads (model config, as mirrored in
-# microsoft/vidur data/model_configs/meta-llama/Meta-Llama-3-8B.yml); 8.03e9 parameters,
-# derived from that config with untied embeddings.
+# Llama-3-8B: 32 layers, hidden 4096, 8 KV heads, vocabulary 128,256 (model config, as
+# mirrored in microsoft/vidur data/model_configs/meta-llama/Meta-Llama-3-8B.yml);
+# 8.03e9 parameters, derived from that config with untied embeddings.
 # H100 SXM5: 989.4 dense BF16 TFLOPS and 3.35 TB/s HBM3, 80 GB, PCIe Gen5 x16 to the
 # host (NVIDIA H100 datasheet).
-# Efficiencies: Vidur's per-layer profiles of Llama-3-8B (data/profiling/compute/a100/
-# meta-llama/Meta-Llama-3-8B/mlp.csv) run prefill matmuls at ~70% of peak FLOPS and
-# batch-1 decode at ~78% of peak bandwidth.
-# Overheads: Vidur's cpu_overheads.csv measured ~2 ms per step at batch 8 for vLLM v0;
-# vLLM v1 removed most of it (vLLM blog, 2024-09-05 "perf update"), hence 1 ms plus
-# 20 us per sequence.
+# Efficiencies, from Vidur's per-operator kernel times (benchmarks/data/vidur): the
+# layers' GEMMs run at 57 to 67% of peak from 512 tokens up (its H100 Llama-2-7B
+# profile, taken as 60%; 64 to 67% on A100), batch-1 decode reads the weights at 69%
+# of peak bandwidth (70% on A100) and decode attention reads KV at 78% (A100).
+# Attention: FlashAttention-2-class kernels reach about 35% of an H100's peak
+# (FlashAttention-3 paper, Shah et al. 2024, arXiv 2407.08608); Vidur's A100
+# FlashInfer rows reach 55% on long prompts.
+# Overheads: vLLM V1 overlaps the CPU's scheduling with the GPU's step (asynchronous
+# scheduling, CUDA graphs for decode): about 6.5 ms per output token at batch 1 on an
+# H100, nearly all of it the weight read, so 0.1 ms per step plus 20 us per sequence
+# (Vidur's cpu_overheads.csv measured ~2 ms per step for vLLM v0).
 LLAMA3_8B_H100 = Roofline(
     name="llama3-8b-h100",
     num_params=8.03e9,
     num_layers=32,
     hidden_size=4096,
+    vocab_size=128256,
     kv_bytes_per_token=_llama3_kv_bytes(32),
     weight_bytes=2 * 8.03e9,
     peak_flops=989.4e12,
     hbm_bytes_per_s=3.35e12,
-    compute_efficiency=0.70,
-    memory_efficiency=0.78,
-    step_overhead_s=1.0e-3,
+    compute_efficiency=0.60,
+    attention_efficiency=0.35,
+    memory_efficiency=0.69,
+    kv_read_efficiency=0.78,
+    step_overhead_s=0.1e-3,
     seq_overhead_s=20e-6,
 )
 
@@ -297,34 +343,42 @@ LLAMA3_8B_A100 = Roofline(
     num_params=8.03e9,
     num_layers=32,
     hidden_size=4096,
+    vocab_size=128256,
     kv_bytes_per_token=_llama3_kv_bytes(32),
     weight_bytes=2 * 8.03e9,
     peak_flops=312e12,
     hbm_bytes_per_s=2.039e12,
-    compute_efficiency=0.70,
-    memory_efficiency=0.78,
-    step_overhead_s=1.0e-3,
+    compute_efficiency=0.67,
+    attention_efficiency=0.55,
+    memory_efficiency=0.70,
+    kv_read_efficiency=0.78,
+    step_overhead_s=0.1e-3,
     seq_overhead_s=20e-6,
     host_link=PCIE4,
     host_memory_bytes=128e9,
 )
 
-# Llama-3-70B on 4 H100s with tensor parallelism: 80 layers, hidden 8192, 8 KV heads
-# (Vidur's Meta-Llama-3-70B.yml), 70.55e9 parameters. Weights and KV heads are split
-# over the four GPUs, so whole-model bytes over four GPUs' bandwidth give the time;
-# lower efficiencies stand for the all-reduce cost of tensor parallelism (assumed).
+# Llama-3-70B on 4 H100s with tensor parallelism: 80 layers, hidden 8192, 8 KV heads,
+# vocabulary 128,256 (Vidur's Meta-Llama-3-70B.yml), 70.55e9 parameters. Weights and
+# KV heads are split over the four GPUs, so whole-model bytes over four GPUs'
+# bandwidth give the time; lower efficiencies and a larger step overhead stand for
+# tensor parallelism's all-reduces and its broadcast of each step to the workers
+# (assumed).
 LLAMA3_70B_4XH100 = Roofline(
     name="llama3-70b-4xh100",
     num_params=70.55e9,
     num_layers=80,
     hidden_size=8192,
+    vocab_size=128256,
     kv_bytes_per_token=_llama3_kv_bytes(80),
     weight_bytes=2 * 70.55e9,
     peak_flops=4 * 989.4e12,
     hbm_bytes_per_s=4 * 3.35e12,
     compute_efficiency=0.60,
-    memory_efficiency=0.70,
-    step_overhead_s=1.5e-3,
+    attention_efficiency=0.30,
+    memory_efficiency=0.65,
+    kv_read_efficiency=0.70,
+    step_overhead_s=0.5e-3,
     seq_overhead_s=20e-6,
     num_gpus=4,
 )

@@ -28,8 +28,8 @@ def test_the_seed_experiment_lands_near_the_chapters_figures():
     assert row["failures"] == 0 and row["requests"] == chat_workload().num_requests
     # The chapter expects about 80% of blocks and 78% of prefill tokens; docs/results.md
     # states what this deterministic replay gives, and so does this test.
-    assert round(row["block_hit_rate"], 3) == 0.788, row["block_hit_rate"]
-    assert round(row["token_hit_rate"], 3) == 0.786, row["token_hit_rate"]
+    assert round(row["block_hit_rate"], 3) == 0.790, row["block_hit_rate"]
+    assert round(row["token_hit_rate"], 3) == 0.787, row["token_hit_rate"]
     assert row["block_hit_rate"] >= row["token_hit_rate"]
     assert row["prefill_tokens_saved"] == row["cached_tokens"] > 0
     assert row["evictions"] > 0  # the default capacity cannot hold everything
