@@ -10,7 +10,7 @@ their source in ``SOURCE.md``), so this runs offline:
 
 It prints, for Llama-3-8B on an A100 (Vidur's profile) and an H100 (derived op by
 op from Vidur's H100 Llama-2-7B rows: :func:`derived_h100`), prefill and decode steps
-as our ``replica/cost_model.py`` times them, whole and for the layers alone, beside
+as our ``replica/api/cost_model.py`` times them, whole and for the layers alone, beside
 Vidur's, and their ratio. Vidur profiles chunks up to 16,384 tokens (32k is
 extrapolated) and prefixes only in multiples of the chunk: "6,656 after 1,536
 cached" interpolates its attention linearly between the chunk's rows with no prefix
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from replica.cost_model import LLAMA3_8B_A100, LLAMA3_8B_H100, Roofline
+from replica.api.cost_model import LLAMA3_8B_A100, LLAMA3_8B_H100, Roofline
 
 DATA = Path(__file__).parent / "data" / "vidur"
 LAYERS = 32  # Llama-3-8B

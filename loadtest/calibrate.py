@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from loadtest.plots import plt, save_figure
 from replica.api.card import EngineCard, vllm_cache_config
+from replica.api.cost_model import CostProfile, get_profile
 from replica.calibration import TERMS, DecodeSample, Fit, PrefillSample, Sample, fit
-from replica.cost_model import CostProfile, get_profile
 from router.backends import describe
 
 #: The most of the engine's KV a decode batch may take: the rest for what it still holds.

@@ -8,7 +8,7 @@ every step pays anyway, so it is nearly free; the copy always pays its latency a
 bytes. Past a prompt length, the crossover, loading wins, and by a factor that grows
 with the length (prefill grows faster than linearly, the copy linearly).
 
-Both costs come from the engine's own cost model (``replica/cost_model.py``): the
+Both costs come from the engine's own cost model (``replica/api/cost_model.py``): the
 same arithmetic decides, request by request, whether the engine loads or recomputes.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replica.api.cost_model import LINKS, PROFILES, CostProfile, HostLink
 from replica.api.identity import DEFAULT_BLOCK_SIZE
-from replica.cost_model import LINKS, PROFILES, CostProfile, HostLink
 
 #: Prompt lengths swept, in tokens: 16 to 128k on a doubling-and-a-half grid.
 LENGTHS = tuple(sorted({int(16 * 2 ** (k / 2)) // 16 * 16 for k in range(27)}))

@@ -1,6 +1,6 @@
 """Step costs fitted to what a live engine measured, by least squares.
 
-Every measurement is linear in the terms of :class:`~replica.cost_model.StepCosts` once
+Every measurement is linear in the terms of :class:`~replica.api.cost_model.StepCosts` once
 the memory floor is left out (an engine compute-bound at every batch, as a CPU is):
 
 - the time to first token of a request alone on the engine is a per-request overhead
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replica.cost_model import StepCosts
+from replica.api.cost_model import StepCosts
 
 #: The fitted terms, in the order of a sample's features.
 TERMS = ("request_s", "step_s", "seq_s", "token_s", "attention_pair_s")

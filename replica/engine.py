@@ -17,9 +17,9 @@ from itertools import accumulate
 import xxhash
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
+from replica.api.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer, Tokenizer
-from replica.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
 from replica.host_cache import HostCache
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.sampling import biased_token

@@ -1,7 +1,7 @@
 """The host tier: KV blocks the GPU evicted, kept in host memory to be loaded back.
 
 When the GPU pool evicts a cached block, the engine demotes it here (a device-to-host
-copy; see ``replica/cost_model.py`` for why it costs no step time). A prompt whose
+copy; see ``replica/api/cost_model.py`` for why it costs no step time). A prompt whose
 GPU hits end where a run of host blocks begins may load that run back over PCIe
 instead of recomputing it, when the cost model says loading is cheaper.
 

@@ -10,7 +10,9 @@ module per concept, and nothing here imports the engine:
 - ``kv_events``: the KV-event types a replica publishes, with their one encoder and
   decoder; ``kv_wire``: the same events in vLLM's ZMQ wire format (msgpack);
 - ``config`` and ``stats``: a replica's configuration and its typed ``/stats``;
-- ``openai``: the OpenAI request models, response shapes and error bodies.
+- ``openai``: the OpenAI request models, response shapes and error bodies;
+- ``cost_model``: what an engine's step costs (a profile, built in or calibrated), read
+  by the engine to time its steps and by the router to price a request's first token.
 
 ``router/`` and ``loadtest/`` import nothing else of ``replica/`` (the offline
 replayer drives ``replica.engine`` itself); the import contracts in

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 
-#: Llama-3-8B on one H100 (see ``replica/cost_model.py`` for the sources).
+#: Llama-3-8B on one H100 (see ``replica/api/cost_model.py`` for the sources).
 DEFAULT_PROFILE = "llama3-8b-h100"
 
 

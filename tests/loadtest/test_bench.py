@@ -13,7 +13,7 @@ import pytest
 
 from deploy.processes import running
 from loadtest.bench import BenchConfig
-from replica.cost_model import PROFILES, StepCosts
+from replica.api.cost_model import PROFILES, StepCosts
 from tests.shared import VLLM_ARGS
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from aiohttp import web
 from deploy.cli import main
 from deploy.processes import free_port, running
 from loadtest.calibrate import Server
-from replica.cost_model import PROFILES, StepCosts, get_profile
+from replica.api.cost_model import PROFILES, StepCosts, get_profile
 from tests.shared import prefix_router
 
 pytestmark = pytest.mark.slow

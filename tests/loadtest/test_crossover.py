@@ -4,7 +4,7 @@ import pytest
 
 from deploy.cli import main
 from loadtest.crossover import LENGTHS, costs, crossover
-from replica.cost_model import LINKS, PROFILES
+from replica.api.cost_model import LINKS, PROFILES
 
 
 @pytest.mark.parametrize("link", LINKS.values(), ids=list(LINKS))

@@ -10,7 +10,7 @@ import pytest
 from loadtest.replay import ReplayConfig, Simulation, infinite_cache_bound, replay
 from loadtest.report import ROW_KEYS, replay_row
 from loadtest.workloads import ChatConfig, chat_workload, load_workload
-from replica.cost_model import PROFILES
+from replica.api.cost_model import PROFILES
 from tests.shared import MOONCAKE_TRACE
 
 POLICY_NAMES = ("round_robin", "power_of_two", "sglang_cache_aware", "cache_aware")

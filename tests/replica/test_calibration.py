@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from replica.api.config import ReplicaConfig
+from replica.api.cost_model import PROFILES, StepCosts, get_profile
 from replica.calibration import DecodeSample, PrefillSample, fit
-from replica.cost_model import PROFILES, StepCosts, get_profile
 from replica.engine import EngineConfig
 
 #: A CPU-like engine: compute-bound at every batch, no memory floor.

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from replica.api.cost_model import PROFILES, BatchShape, get_profile
 from replica.api.tokenizer import TOKEN_DTYPE
-from replica.cost_model import PROFILES, BatchShape, get_profile
 from replica.engine import Engine, EngineConfig
 from replica.scheduler import SchedulerConfig
 from replica.sequence import EngineRequest

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from deploy import processes
+from replica.api.cost_model import get_profile
 from replica.api.tokenizer import WORDS
-from replica.cost_model import get_profile
 from tests.shared import prefix_router, vllm_backend, vllm_servers, wait_until_checked
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
