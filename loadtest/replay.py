@@ -71,6 +71,13 @@ class ReplayConfig:
             raise ValueError("routers must be positive and event_delay_s not negative")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
+        if not self.routing.cost_profile or not self.routing.step_token_budget:
+            engines = replace(  # a router that prices in seconds prices as the engines run
+                self.routing,
+                cost_profile=self.routing.cost_profile or self.profile,
+                step_token_budget=self.routing.step_token_budget or self.max_num_batched_tokens,
+            )
+            object.__setattr__(self, "routing", engines)
         self.engine_config()  # checks the replicas' shape
 
     @property
@@ -173,6 +180,9 @@ class Simulation:
         self.engines = [Engine(config.engine_config()) for _ in range(config.replicas)]
         self.routers = [self._router(policy, g) for g in range(config.routers)]
         self.policy, self.replicas = self.routers[0]  # the only one, by default
+        for _, states in self.routers:
+            for state, engine in zip(states, self.engines, strict=True):
+                state.free_blocks = engine.free_blocks
         self._pick_router = np.random.default_rng([config.seed, 1])
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
@@ -341,9 +351,12 @@ class Simulation:
         if len(self.routers) > 1:  # a replica publishes its load on change
             engine = self.engines[index]
             report = LoadReport(
-                engine.num_running, engine.num_waiting, engine.queued_prefill_tokens, ts=self.now
-            )
+                engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
+                ts=self.now, free_blocks=engine.free_blocks,
+            )  # fmt: skip
             self._send(index, report)
+        else:  # one router counts its own load; the engine's free blocks it is told at once
+            self.routers[0][1][index].free_blocks = self.engines[index].free_blocks
         self._step(index)
 
     def _finish(self, session_index: int, turn_index: int) -> None:

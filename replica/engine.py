@@ -227,6 +227,11 @@ class Engine:
         return len(self.scheduler.waiting)
 
     @property
+    def free_blocks(self) -> int:
+        """GPU blocks a new request could be given: free, or cached and unused."""
+        return self.cache.num_free_blocks + self.cache.num_idle_blocks
+
+    @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens of the waiting and running requests not computed yet."""
         scheduler = self.scheduler

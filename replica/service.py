@@ -146,7 +146,10 @@ class Replica:
 
     def _load(self) -> LoadReport:
         engine = self.engine
-        return LoadReport(engine.num_running, engine.num_waiting, engine.queued_prefill_tokens)
+        return LoadReport(
+            engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
+            free_blocks=engine.free_blocks,
+        )  # fmt: skip
 
     def reset(self) -> bool:
         """Empty the cache and the statistics; refused (``False``) while requests run."""

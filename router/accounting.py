@@ -151,6 +151,7 @@ class Accounting:
             kv_stream=_stream_stats(backend),
             load_requests=state.load_requests,
             load_prefill_tokens=state.load_prefill_tokens,
+            free_blocks=state.free_blocks,
             routing_mode=backend.routing_mode,
             approximate_reason=backend.approximate_reason,
             unchecked=list(backend.unchecked),

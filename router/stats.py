@@ -68,6 +68,8 @@ class BackendStats:
     #: requests) plus this gateway's since; without reports, the outstanding ones.
     load_requests: int = 0
     load_prefill_tokens: int = 0
+    #: KV blocks it could give a new request, as it last reported (None: not said).
+    free_blocks: int | None = None
     #: How its cache is known: ``checking`` (its join check runs; its events are trusted
     #: meanwhile), ``precise`` (from its events) or ``approximate`` (from the router's
     #: decisions), with the reason: what differs and the flag that fixes it.

@@ -73,6 +73,9 @@ class LoadReport:
     #: When the load became this (the replica's wall clock): a gateway adds its own
     #: requests dispatched since, which the replica may not have seen yet.
     ts: float = 0.0
+    #: KV blocks a new request could be given now, free or cached and unused (``None``:
+    #: not said): a request needing more waits for running ones to finish.
+    free_blocks: int | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 - ``baselines``: round robin, random, least loaded, power of two, consistent hashing;
 - ``indexed``: the base of cache-aware policies (a prefix index);
 - ``cache_aware``: ours, precise and approximate;
+- ``cache_aware_ttft``: ours priced in seconds to the first token, from a cost profile;
 - ``sglang``: SGLang router's ``cache_aware``, for comparison.
 """
 
@@ -22,6 +23,7 @@ from router.policies.baselines import (
     rendezvous_key,
 )
 from router.policies.cache_aware import CacheAware, CacheAwareApproximate, CacheAwareTierBlind
+from router.policies.cache_aware_ttft import CacheAwareTTFT
 from router.policies.sglang import SGLangCacheAware
 
 __all__ = [
@@ -48,6 +50,7 @@ POLICIES: dict[str, type[Policy]] = {
         CacheAware,
         CacheAwareTierBlind,
         CacheAwareApproximate,
+        CacheAwareTTFT,
     )
 }
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from replica.api.cost_model import get_profile
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
@@ -48,6 +49,9 @@ class ReplicaState:
     in_flight: dict[str, RoutingRequest] = field(default_factory=dict, repr=False)
     requests_since_report: int = 0
     prefill_tokens_since_report: int = 0
+    #: KV blocks it could give a new request now, as it last said (``None``: not known,
+    #: as for an engine that does not report its load).
+    free_blocks: int | None = None
     #: Told after every change of the load above (``router/load.py`` calls it): the
     #: policy's ordering of the fleet by load.
     on_load_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
@@ -117,7 +121,7 @@ class PolicyConfig:
     #: cache_aware: what a token held in a replica's host tier costs, in prefill tokens:
     #: loading its KV over PCIe against computing it. Llama-3-8B moves 128 KiB a token,
     #: 2.6 us at 50 GB/s (PCIe 5) against 23 us of prefill on an H100 (0.11), 5.2 us at
-    #: 25 GB/s (PCIe 4) against 74 us on an A100 (0.07): see replica/cost_model.py.
+    #: 25 GB/s (PCIe 4) against 74 us on an A100 (0.07): see replica/api/cost_model.py.
     host_token_cost: float = 0.1
     #: cache_aware: a cold prefix may go to any replica within this much work of the
     #: least loaded; among them the rendezvous choice wins, so routers agree.
@@ -127,6 +131,15 @@ class PolicyConfig:
     #: request beyond it. A short prefix moves away; a long private history may stay.
     load_bound: float = 1.5
     overflow_tokens: float = 2048.0
+    #: cache_aware_ttft: the cost profile its seconds come from, a built-in name or a
+    #: calibrated profile file (``prefix-router calibrate``); empty: the engines' (the
+    #: replayer's ``--profile``; a gateway's: the simulated replica's default).
+    cost_profile: str = ""
+    #: cache_aware_ttft: prefill tokens an engine computes per step (vLLM's
+    #: ``max_num_batched_tokens``): a queue of them takes that many steps, each
+    #: carrying the replica's running sequences. 0: the engines' (the replayer's
+    #: ``--max-num-batched-tokens``; a gateway's: the simulated replica's, 8,192).
+    step_token_budget: int = 0
     #: sglang_cache_aware: SGLang router's defaults.
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -150,6 +163,15 @@ class PolicyConfig:
             raise ValueError("host_token_cost must not be negative")
         if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
             raise ValueError("recompute_weight and private_recompute_weight must be positive")
+        if self.step_token_budget < 0:
+            raise ValueError(
+                f"step_token_budget must not be negative, got {self.step_token_budget}"
+            )
+        if self.cost_profile:
+            try:
+                get_profile(self.cost_profile)  # read once here, so a bad one fails at start
+            except ValueError as error:
+                raise ValueError(f"--cost-profile: {error}") from None
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
             raise ValueError("load_bound must be at least 1, overflow_tokens not negative "
                              "and popular_requests positive")  # fmt: skip

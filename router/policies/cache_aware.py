@@ -50,6 +50,9 @@ class CacheAware(IndexedPolicy):
     #: Whether tokens in a replica's host tier count as held (the tier-blind variant
     #: counts them as misses, as a router that follows only GPU evictions would).
     tier_aware: ClassVar[bool] = True
+    #: Whether a replica's cost depends on more than its load and what it holds, so
+    #: that the fleet path (which orders replicas by load alone) cannot stand in.
+    prices_every_replica: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.popularity = PrefixPopularity()
@@ -60,9 +63,10 @@ class CacheAware(IndexedPolicy):
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self._popular_tokens(request)
-        if self.order and len(replicas) == len(self.order):  # the whole fleet
+        whole_fleet = self.order and len(replicas) == len(self.order)
+        if whole_fleet and not self.prices_every_replica:
             chosen = self._choose_in_fleet(request, matched, host, popular)
-        else:  # some replicas are full, or a retry: price the candidates one by one
+        else:  # some replicas are full, a retry, or a variant's price: one by one
             chosen = self._choose_by_scan(request, replicas, matched, host, popular)
         # the engine reports host hits as cached
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
@@ -82,7 +86,7 @@ class CacheAware(IndexedPolicy):
         if not warm:
             least = order.cheapest(load_of)
             assert least is not None
-            near = order.within(load_of, least.load + self.config.cold_slack_tokens)
+            near = order.within(load_of, least.load + self._cold_slack())
             return rendezvous(rendezvous_key(request), near)
         prompt = request.num_prompt_tokens
         costs = {}
@@ -113,11 +117,17 @@ class CacheAware(IndexedPolicy):
         """Every candidate priced: the reference that the fleet path must agree with."""
         load_of = self._load_function(sum(r.load_requests for r in replicas), len(replicas))
         loads = [load_of(r.load_prefill_tokens, r.load_requests) for r in replicas]
+        prompt = request.num_prompt_tokens
+        if self.prices_every_replica:  # what each replica's load does not say
+            held = [matched.get(r.replica_id, 0) + host.get(r.replica_id, 0) for r in replicas]
+            unseen = [
+                self._unseen_by_load(r, prompt - h) for r, h in zip(replicas, held, strict=True)
+            ]
+            loads = [load + extra for load, extra in zip(loads, unseen, strict=True)]
         if not host and not any(matched.values()):
-            ceiling = min(loads) + self.config.cold_slack_tokens
+            ceiling = min(loads) + self._cold_slack()
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             return rendezvous(rendezvous_key(request), near)
-        prompt = request.num_prompt_tokens
         nothing_cached = self._recompute_cost(prompt, popular, 0)  # most replicas, often
         costs = [
             load
@@ -137,6 +147,15 @@ class CacheAware(IndexedPolicy):
         """The work of a replica holding ``gpu`` leading tokens, then ``host`` more."""
         loading = self.config.host_token_cost * host if host else 0.0
         return self._recompute_cost(prompt, popular, gpu + host) + loading
+
+    def _cold_slack(self) -> float:
+        return self.config.cold_slack_tokens
+
+    def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
+        """What ``replica``'s load (its queued prefill tokens and requests) does not
+        say of a request with ``uncached_tokens`` to compute there: priced by variants
+        that set ``prices_every_replica``."""
+        return 0.0
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         super().on_dispatch(request, replica)

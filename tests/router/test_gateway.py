@@ -151,6 +151,14 @@ def test_the_policy_can_be_switched_at_run_time(fleet, client):
     chat(client, "round robin now")
     bad = httpx.post(url + "/admin/policy", json={"policy": "telepathy"})
     assert bad.status_code == 400 and "unknown policy" in bad.json()["error"]["message"]
+    # Priced in seconds, from the replicas' profile and their reported free KV blocks.
+    assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware_ttft"}).status_code == 200
+    system = "A prompt for routing in seconds. " * 60
+    chat(client, "first", system=system)
+    again = chat(client, "second", system=system)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 400  # it went where the prefix is
+    backends = httpx.get(url + "/stats").json()["backends"]
+    assert all(b["free_blocks"] is not None for b in backends)
     assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware"}).status_code == 200
 
 

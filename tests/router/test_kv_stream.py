@@ -206,6 +206,7 @@ def test_a_follower_cut_off_mid_stream_replays_the_gap_and_loses_nothing(followe
         assert set(keys(np.arange(12001, 12400))[:6]) <= gpu
         assert host  # the host tier's events came through the replay too
         assert after.load is not None and after.load.batches == after.next_batch
+        assert after.load.free_blocks == 256  # idle: every block free or reclaimable
 
 
 @pytest.mark.slow

@@ -46,6 +46,9 @@ def test_a_replicas_report_plus_our_requests_since_is_the_load_balanced_on():
     # The replica saw ours and two of another gateway's requests, at 10.5.
     load.reported(replica, LoadReport(running=2, waiting=1, prefill_tokens=900, ts=10.5))
     assert (replica.load_requests, replica.load_prefill_tokens) == (3, 900)
+    assert replica.free_blocks is None  # the report did not say
+    load.reported(replica, LoadReport(2, 1, 900, ts=10.5, free_blocks=40))
+    assert replica.free_blocks == 40
     late = RoutingRequest("late", 300, [2])
     load.dispatched(pol, late, replica, now=10.6)  # not in the report: counted on top
     assert (replica.load_requests, replica.load_prefill_tokens) == (4, 1200)
@@ -62,5 +65,6 @@ def test_a_replicas_report_plus_our_requests_since_is_the_load_balanced_on():
     assert (replica.load_requests, replica.load_prefill_tokens) == (1, 200)
     load.reported(replica, None)  # the stream went stale: our own counts again
     assert (replica.load_requests, replica.load_prefill_tokens) == (1, 200)
+    assert replica.free_blocks is None
     load.completed(pol, again, replica)
     assert replica.in_flight == {} and replica.outstanding_requests == 0

@@ -49,6 +49,7 @@ def test_every_policy_is_registered_by_name():
     assert set(POLICIES) >= {
         "round_robin", "random", "least_loaded", "power_of_two", "consistent_hash",
         "sglang_cache_aware", "cache_aware", "cache_aware_approx", "cache_aware_tier_blind",
+        "cache_aware_ttft",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown policy"):
         policy("fastest")
@@ -234,10 +235,11 @@ def held_events(tokens: np.ndarray, medium: str, seq: int = 1) -> list[KVEvent]:
     return [KVEvent(seq, "stored", hashes, None, tuple(range(len(hashes))), medium, data)]
 
 
-def test_cache_aware_prefers_a_gpu_hit_then_a_host_hit_then_a_miss():
+@pytest.mark.parametrize("name", ["cache_aware", "cache_aware_ttft"])
+def test_cache_aware_prefers_a_gpu_hit_then_a_host_hit_then_a_miss(name):
     history = prompt(2048)
     follow_up = request(np.concatenate((history, prompt(40, 90_000))))
-    replicas, pol = fleet(3), policy("cache_aware")
+    replicas, pol = fleet(3), policy(name)
     for replica in replicas:
         pol.on_replica_added(replica)
     pol.on_kv_events(replicas[1], held_events(history, "CPU"))
