@@ -128,6 +128,11 @@ def add_bench_parser(commands: Any) -> None:
         help="with --engine vllm: the profile `prefix-router calibrate` wrote for these "
         "engines, so that the replay predicts their fleet beside each live row",
     )
+    parser.add_argument(
+        "--session-keys",
+        action="store_true",
+        help="clients send each session's id as x-session-id (and so does the replay)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
     add_config_flags(
@@ -153,6 +158,7 @@ def run_bench(args: argparse.Namespace) -> int:
         run_time_s=args.run_time,
         predict=not args.no_replay,
         replay_profile=args.replay_profile,
+        session_keys=args.session_keys,
         progress=not args.no_progress,
     )
     out = Path(args.out)

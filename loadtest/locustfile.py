@@ -32,6 +32,9 @@ from loadtest.locust_hits import CacheHits, install_web_ui
 from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
 from replica.api.identity import DEFAULT_MODEL
 
+#: The header that carries a session's key (the gateway reads it by default).
+SESSION_HEADER = "x-session-id"
+
 
 @events.init_command_line_parser.add_listener
 def add_options(parser: Any) -> None:
@@ -65,6 +68,12 @@ def add_options(parser: Any) -> None:
         help="comma-separated base URLs: each request goes to one at random (default: --host)",
     )
     group.add_argument("--model", default=DEFAULT_MODEL, env_var="PR_MODEL")
+    group.add_argument(
+        "--session-keys",
+        action="store_true",
+        env_var="PR_SESSION_KEYS",
+        help=f"send each session's id as {SESSION_HEADER} (the gateway's default session key)",
+    )
     group.add_argument(
         "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
     )
@@ -205,7 +214,7 @@ class ChatSessionUser(HttpUser):
         for turn in session.turns:
             if turn.think_time_s and scale:
                 time.sleep(turn.think_time_s * scale)  # gevent-patched: yields to other users
-            self.send(turn)
+            self.send(turn, session.session_id)
         if SESSIONS.finish() and self.environment.runner is not None:
             # The whole workload is played: end the test now rather than at --run-time.
             # (a moment later, so the last request's figures reach Locust's statistics)
@@ -219,13 +228,16 @@ class ChatSessionUser(HttpUser):
             time.sleep(delay)
         TALLY.session_starts.append((due, time.monotonic() - TEST_START[0]))
 
-    def send(self, turn: Turn) -> None:
-        path, name, body = _request(turn, self.environment.parsed_options.model)
+    def send(self, turn: Turn, session_id: str) -> None:
+        options = self.environment.parsed_options
+        path, name, body = _request(turn, options.model)
+        headers = {SESSION_HEADER: session_id} if options.session_keys else None
         sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
         with self.client.post(
-            self.front() + path, json=body, stream=True, catch_response=True, name=name
-        ) as response:
+            self.front() + path, json=body, headers=headers, stream=True, catch_response=True,
+            name=name,
+        ) as response:  # fmt: skip
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
                 return

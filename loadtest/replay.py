@@ -63,6 +63,9 @@ class ReplayConfig:
     #: and how long the engines' KV events and load reports take to reach them.
     routers: int = 1
     event_delay_s: float = 0.0
+    #: Whether each request carries its session's key, as a client sending
+    #: ``x-session-id`` does.
+    session_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -270,7 +273,8 @@ class Simulation:
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
         stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed(session.cache_salt))
-        routing = RoutingRequest(request_id, len(prompt), stride_hashes)
+        key = session.session_id if self.config.session_keys else None
+        routing = RoutingRequest(request_id, len(prompt), stride_hashes, session=key)
         router = int(self._pick_router.integers(len(self.routers))) if len(self.routers) > 1 else 0
         policy, replicas = self.routers[router]
         replica = policy.choose(routing, replicas)

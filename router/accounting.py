@@ -69,6 +69,8 @@ class Accounting:
         self.retries = 0
         #: Requests whose prompt the gateway could not read (routed by load alone).
         self.unread_prompts = 0
+        #: Requests that carried a session key (``--session-key``).
+        self.session_requests = 0
 
     def dispatched(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
         load.dispatched(policy, request, replica, self._wall_clock())
@@ -116,6 +118,7 @@ class Accounting:
             policy=policy,
             retries=self.retries,
             unread_prompts=self.unread_prompts,
+            session_requests=self.session_requests,
             refused=admission.refused,
             queued=len(admission),
             config=config,

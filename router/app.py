@@ -184,7 +184,22 @@ def _tenant_routing(
     if prompt is None:
         gateway.accounting.unread_prompts += 1
         return RoutingRequest(api.new_id("route"), 0, tenant=name), fields
-    return gateway.routing_request(prompt, salt, name), fields
+    routing = gateway.routing_request(prompt, salt, name)
+    routing.session = _session_key(request, envelope, gateway.config.session_key)
+    gateway.accounting.session_requests += routing.session is not None
+    return routing, fields
+
+
+def _session_key(request: Request, envelope: Envelope, source: str) -> str | None:
+    """The client's session key, read where ``--session-key`` says (``None``: none)."""
+    if not source:
+        return None
+    if source == "user":
+        key = envelope.body.get("user")
+        key = key if isinstance(key, str) else None
+    else:
+        key = request.headers.get(source)
+    return key or None
 
 
 async def _route(request: Request, path: str, chat: bool) -> Response:

@@ -70,6 +70,10 @@ class GatewayConfig:
     #: API keys, one ``KEY TENANT [admin]`` per line (see router/tenants.py); with
     #: ``$PREFIX_ROUTER_API_KEYS``. None configured: no authentication.
     api_keys_file: str = ""
+    #: Where a request's session key is read: a header's name, or ``user`` (the
+    #: request's ``user`` field); empty: nowhere. Routers that learn from their own
+    #: decisions send a session's turns to one replica by it (cache_aware).
+    session_key: str = "x-session-id"
     #: Requests in flight per replica; beyond it requests wait in the gateway's queue.
     max_outstanding_per_replica: int = 128
     #: Requests that may wait for a free replica, and for how long; beyond: 429.

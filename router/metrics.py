@@ -87,6 +87,11 @@ class GatewayMetrics:
             "Requests whose prompt the gateway could not read (routed by load alone).",
             self._accounting.unread_prompts,
         )
+        yield CounterMetricFamily(
+            "prefix_router_session_requests",
+            "Requests that carried a session key.",
+            self._accounting.session_requests,
+        )
 
     def _by_policy(self) -> Iterable[Metric]:
         by_backend = self._accounting.by_backend

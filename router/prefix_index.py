@@ -217,6 +217,12 @@ class PrefixIndex:
     def knows(self, replica_id: str) -> bool:
         return replica_id in self._bits
 
+    def is_precise(self, replica_id: str) -> bool:
+        """Whether what ``replica_id`` holds is known from its events (not from the
+        router's decisions alone)."""
+        bit = self._bits.get(replica_id)
+        return self.stored is not None and bit is not None and not self._approximate_bits >> bit & 1
+
     def num_entries(self, replica_id: str | None = None) -> int:
         """Identities known (for one replica, or in all), for the memory bound."""
         sets = [self.routed, *self._event_sets]

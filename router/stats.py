@@ -147,6 +147,8 @@ class GatewayStats:
     tenants: dict[str, TenantStats] = field(default_factory=dict)
     #: Requests whose prompt the gateway could not read, routed by load alone.
     unread_prompts: int = 0
+    #: Requests that carried a session key.
+    session_requests: int = 0
     #: Every request it answered (or failed), and the cached tokens the replicas reported.
     totals: TenantStats = field(default_factory=lambda: TenantStats(0, 0, 0, 0, None))
     #: Its process: gateways sharing a port are told apart by it.

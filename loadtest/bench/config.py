@@ -54,6 +54,8 @@ class BenchConfig:
     #: The cost profile of engines that are not ours (``prefix-router calibrate``), for
     #: the replay beside each live row; without it their fleet is not predicted.
     replay_profile: str = ""
+    #: Whether clients send each session's id as its key (``x-session-id``).
+    session_keys: bool = False
     progress: bool = True
 
     def chat_config(self) -> dict[str, Any]:

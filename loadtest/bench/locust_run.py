@@ -52,6 +52,8 @@ def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> li
     ]  # fmt: skip
     if config.trace_limit:
         command += ["--trace-limit", str(config.trace_limit)]
+    if config.session_keys:
+        command += ["--session-keys"]
     if config.workload == "chat":
         chat = config.chat_config()
         command += ["--arrival-rate", str(chat.get("session_rate", ChatConfig().session_rate))]

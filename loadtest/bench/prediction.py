@@ -31,7 +31,8 @@ def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) 
         if twin.replicas > 1:
             return None
         policy = "round_robin"
-    return replay_row(replay(workload, replace(twin, seed=config.seed), policy))
+    twin = replace(twin, seed=config.seed, session_keys=config.session_keys)
+    return replay_row(replay(workload, twin, policy))
 
 
 def add_prediction(row: Row, predicted: Row | None) -> None:

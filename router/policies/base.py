@@ -87,6 +87,8 @@ class RoutingRequest:
     prefilling: bool = field(default=False, repr=False)
     #: When it was dispatched (wall clock, to compare with the replica's load reports).
     dispatched_at: float = field(default=0.0, repr=False)
+    #: The client's session key (``None``: it sent none): its turns belong together.
+    session: str | None = None
 
     @property
     def predicted_uncached_tokens(self) -> int:

@@ -63,11 +63,12 @@ class CacheAware(IndexedPolicy):
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self._popular_tokens(request)
+        priced = self._with_session(request, replicas, matched)
         whole_fleet = self.order and len(replicas) == len(self.order)
         if whole_fleet and not self.prices_every_replica:
-            chosen = self._choose_in_fleet(request, matched, host, popular)
+            chosen = self._choose_in_fleet(request, priced, host, popular)
         else:  # some replicas are full, a retry, or a variant's price: one by one
-            chosen = self._choose_by_scan(request, replicas, matched, host, popular)
+            chosen = self._choose_by_scan(request, replicas, priced, host, popular)
         # the engine reports host hits as cached
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
             chosen.replica_id, 0
@@ -150,6 +151,29 @@ class CacheAware(IndexedPolicy):
 
     def _cold_slack(self) -> float:
         return self.config.cold_slack_tokens
+
+    # ------------------------------------------------------------ sessions
+
+    def _with_session(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState], matched: dict[str, int]
+    ) -> dict[str, int]:
+        """The matches, with a session's home priced as holding its prompt.
+
+        The home is where rendezvous hashing of the session's key sends it: the same
+        replica for every router, with nothing to share between them, so routers that
+        learn only from their own decisions send every turn of a session to one place
+        (a turn that had to leave an overloaded home comes back to it). Only a replica
+        known from decisions alone is assumed to hold it: a precise replica's events
+        say what it holds, the session's history included. The load terms still
+        weigh, so an overloaded home is left.
+        """
+        if request.session is None:
+            return matched
+        home = rendezvous(request.session.encode(), replicas)
+        if self.index.is_precise(home.replica_id):
+            return matched
+        held = max(matched.get(home.replica_id, 0), self._limit(request))
+        return {**matched, home.replica_id: held}
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
         """What ``replica``'s load (its queued prefill tokens and requests) does not

@@ -42,13 +42,15 @@ def test_a_headless_locust_run_completes_and_its_figures_agree(tmp_path):
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
         with running(gateway_command) as (gateway,):
             settled(gateway, replicas)
-            locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6",
+            locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6", "--session-keys",
                    "--html", str(tmp_path / "report.html"))  # fmt: skip
             engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]
+            sessions = httpx.get(gateway + "/stats").json()["session_requests"]
     with open(tmp_path / "run_stats.csv", newline="") as stats_file:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(stats_file)}
     requests = int(rows[("POST", "chat")]["Request Count"])
     assert requests > 6 and int(rows[("POST", "chat")]["Failure Count"]) == 0
+    assert sessions == requests  # every turn sent its session's key
     assert int(rows[("TTFT", "chat")]["Request Count"]) == requests
     assert int(rows[("ITL", "chat")]["Request Count"]) == requests
     client = json.loads((tmp_path / "client.json").read_text())

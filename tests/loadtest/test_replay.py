@@ -311,3 +311,16 @@ def test_a_profiles_request_time_is_added_to_what_each_client_sees(tmp_path):
             before.finish_s - before.arrival_s + 0.05
         )
     assert slow[-1].arrival_s == pytest.approx(plain[-1].arrival_s + 0.05 * (len(slow) - 1))
+
+
+def test_session_keys_let_routers_that_share_nothing_keep_one_routers_hits():
+    workload = chat_workload(ChatConfig(num_sessions=200, session_rate=8.0))
+
+    def hit_rate(routers: int, session_keys: bool) -> float:
+        config = fleet(replicas=4, routers=routers, session_keys=session_keys)
+        return replay_row(replay(workload, config, "cache_aware_approx"))["token_hit_rate"]
+
+    # Each router places a new session alone: its next turns, sent by another, miss.
+    assert hit_rate(4, False) < hit_rate(1, False) - 0.05
+    # The key names one replica for every router (rendezvous hashing of it).
+    assert hit_rate(4, True) >= hit_rate(1, True) - 0.02

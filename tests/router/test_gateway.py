@@ -6,6 +6,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import xxhash
 
 from deploy.processes import running
 from replica.api.tokenizer import ByteTokenizer
@@ -203,3 +204,45 @@ def test_the_gateway_rejects_invalid_json(fleet):
     assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
     response = httpx.post(url + "/v1/completions", content=json.dumps([1, 2]).encode())
     assert response.status_code == 400
+
+
+def test_a_session_key_sends_every_turn_where_rendezvous_hashing_of_it_says(fleet):
+    """Routers that learn from their own decisions agree on a session's replica without
+    talking: its key, hashed against the replicas' ids, names it."""
+    url, _ = fleet
+    assert (
+        httpx.post(url + "/admin/policy", json={"policy": "cache_aware_approx"}).status_code == 200
+    )
+    ids = [b["replica_id"] for b in httpx.get(url + "/stats").json()["backends"]]
+    homes = set()
+    for session in range(8):
+        key = f"user-{session}"
+        home = max(ids, key=lambda i: xxhash.xxh3_64_intdigest(key.encode() + i.encode()))
+        history = f"Session {session} talks about its own topic. " * 20
+        for turn in range(2):
+            history += f" Turn {turn}."
+            response = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": history, "max_tokens": 2},
+                headers={"x-session-id": key},
+                timeout=30,
+            )
+            assert response.headers["x-prefix-router-replica"] == home, (key, turn)
+        homes.add(home)
+    assert homes == set(ids)  # the keys spread the sessions
+    assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware"}).status_code == 200
+
+
+def test_the_session_key_is_read_where_the_gateway_is_told():
+    from starlette.requests import Request
+
+    from router.app import _session_key
+    from router.intake import Envelope
+
+    request = Request({"type": "http", "headers": [(b"x-session-id", b"abc")]})
+    envelope = Envelope.of({"prompt": "hi", "user": "alice"})
+    assert _session_key(request, envelope, "x-session-id") == "abc"
+    assert _session_key(request, envelope, "user") == "alice"
+    assert _session_key(request, envelope, "x-other") is None
+    assert _session_key(request, envelope, "") is None
+    assert _session_key(request, Envelope.of({"user": 3}), "user") is None

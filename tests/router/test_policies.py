@@ -266,3 +266,42 @@ def test_the_tier_blind_variant_counts_host_tokens_as_misses():
     blind.on_kv_events(replicas[1], held_events(history, "CPU"))
     blind.choose(follow_up, replicas)
     assert follow_up.predicted_cached_tokens == 0  # it sees nothing held anywhere
+
+
+def test_routers_that_share_nothing_send_a_sessions_turns_to_one_replica_by_its_key():
+    system = prompt(1500)
+    first_router, second_router = policy("cache_aware_approx", 1), policy("cache_aware_approx", 2)
+    their_fleets = fleet(4), fleet(4)
+    homes = Counter()
+    for i in range(20):
+        history = np.concatenate((system, prompt(400, 10_000 * (i + 1))))
+        turns = [request(history, f"s{i}/0"), request(np.concatenate((history, prompt(60, 7))))]
+        for turn in turns:
+            turn.session = f"session-{i}"
+        chosen = []
+        for router, replicas, turn in zip(
+            (first_router, second_router), their_fleets, turns, strict=True
+        ):
+            replica = dispatch(router, turn, replicas)
+            complete(router, turn, replica)
+            chosen.append(replica.replica_id)
+        assert chosen[0] == chosen[1]  # the second router never saw the first turn
+        homes[chosen[0]] += 1
+    assert len(homes) == 4  # and the keys spread the sessions
+
+
+def test_a_session_leaves_an_overloaded_home_and_precise_replicas_are_known_by_events():
+    history = prompt(2048)
+    replicas, approximate = fleet(2), policy("cache_aware_approx")
+    turn = request(history, "s/0")
+    turn.session = "session-7"
+    home = approximate.choose(turn, replicas)
+    home.outstanding_requests = 80  # far beyond 1.5 times the fleet's mean
+    assert approximate.choose(turn, replicas) is not home
+    home.outstanding_requests = 0
+    # Fed by events, the router knows the history is elsewhere: the key assumes nothing.
+    precise, elsewhere = policy("cache_aware"), next(r for r in replicas if r is not home)
+    for replica in replicas:
+        precise.on_replica_added(replica)
+    precise.on_kv_events(elsewhere, held_events(history[:1024], "GPU"))
+    assert precise.choose(turn, replicas) is elsewhere
