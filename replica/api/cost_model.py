@@ -338,22 +338,14 @@ LLAMA3_8B_H100 = Roofline(
 # The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e, PCIe
 # Gen4 x16 to the host (NVIDIA A100 datasheet); efficiencies measured on this GPU by
 # Vidur (see above).
-LLAMA3_8B_A100 = Roofline(
+LLAMA3_8B_A100 = replace(
+    LLAMA3_8B_H100,
     name="llama3-8b-a100",
-    num_params=8.03e9,
-    num_layers=32,
-    hidden_size=4096,
-    vocab_size=128256,
-    kv_bytes_per_token=_llama3_kv_bytes(32),
-    weight_bytes=2 * 8.03e9,
     peak_flops=312e12,
     hbm_bytes_per_s=2.039e12,
     compute_efficiency=0.67,
     attention_efficiency=0.55,
     memory_efficiency=0.70,
-    kv_read_efficiency=0.78,
-    step_overhead_s=0.1e-3,
-    seq_overhead_s=20e-6,
     host_link=PCIE4,
     host_memory_bytes=128e9,
 )
