@@ -29,7 +29,8 @@ class CacheAwareTTFT(CacheAware):
                   + reuse(the uncached tokens)
                   + overflow(its requests beyond the load bound)
 
-    all in seconds of the profile's engine (:meth:`first_token_s` is the first four).
+    all in seconds of the profile's engine (:meth:`first_token_s` is the queue, the
+    prefill and the admission of a request whose cached tokens are on the GPU).
     The queue is Q tokens of prefill computed ``step_token_budget`` at a time, each
     step (and the request's own) carrying the H running sequences: their decode token,
     LM head and per-sequence cost. The prefill is the request's own step as the
@@ -41,7 +42,8 @@ class CacheAwareTTFT(CacheAware):
     they come free as those requests finish, each once a lifetime. Under load this is
     where the slowest requests wait, with no prefill queued ahead of them, and no
     token weight sees it (``cache_aware`` weighs each running request as 256 tokens
-    instead).
+    instead); pricing it has not shortened the tail in the replays measured
+    (docs/results.md, "Routing in predicted seconds").
 
     Reuse keeps ``cache_aware``'s judgement of what moving a prefix costs later: an
     uncached token of a popular prefix weighs ``recompute_weight - 1`` more tokens of
