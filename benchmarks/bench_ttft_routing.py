@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from loadtest.replay import ReplayConfig, replay
 from loadtest.workloads import ChatConfig, Workload, chat_workload, load_workload
@@ -103,7 +104,8 @@ def main() -> None:
     args = parser.parse_args()
     cases = [(fleet, policy) for fleet in fleets(args.trace) for policy in POLICIES]
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(measure, *zip(*cases, strict=True)))
+        replays = pool.map(measure, *zip(*cases, strict=True))
+        rows = list(tqdm(replays, total=len(cases), desc="replays", unit="replay"))
     print("| fleet | policy | token hit rate | TTFT p50 | TTFT p99 | own-prefill p99 (floor) "
           "| slowest 1%: TTFT = own prefill + wait |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---|")
