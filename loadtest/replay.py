@@ -74,13 +74,8 @@ class ReplayConfig:
             raise ValueError("routers must be positive and event_delay_s not negative")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
-        if not self.routing.cost_profile or not self.routing.step_token_budget:
-            engines = replace(  # a router that prices in seconds prices as the engines run
-                self.routing,
-                cost_profile=self.routing.cost_profile or self.profile,
-                step_token_budget=self.routing.step_token_budget or self.max_num_batched_tokens,
-            )
-            object.__setattr__(self, "routing", engines)
+        engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
+        object.__setattr__(self, "routing", engines)
         self.engine_config()  # checks the replicas' shape
 
     @property

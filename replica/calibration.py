@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replica.api.cost_model import StepCosts
+from replica.api.cost_model import StepCosts, attention_pairs
 
 #: The fitted terms, in the order of a sample's features.
 TERMS = ("request_s", "step_s", "seq_s", "token_s", "attention_pair_s")
@@ -43,7 +43,7 @@ class PrefillSample:
         for start in range(self.cached, self.prompt, self.chunk):
             tokens = min(self.chunk, self.prompt - start)
             steps += 1
-            pairs += tokens * (start + (tokens + 1) / 2)
+            pairs += attention_pairs(start, tokens)
         return [1.0, steps, steps, float(self.prompt - self.cached), pairs]
 
     @property

@@ -17,7 +17,14 @@ from itertools import accumulate
 import xxhash
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
-from replica.api.cost_model import BatchShape, CostProfile, HostLink, get_link, get_profile
+from replica.api.cost_model import (
+    BatchShape,
+    CostProfile,
+    HostLink,
+    attention_pairs,
+    get_link,
+    get_profile,
+)
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.host_cache import HostCache
@@ -413,7 +420,7 @@ def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
         else:
             prefill_seqs += 1
             prefill_tokens += chunk.num_tokens
-            pairs += chunk.num_tokens * (chunk.num_computed + (chunk.num_tokens + 1) / 2)
+            pairs += attention_pairs(chunk.num_computed, chunk.num_tokens)
         if chunk.loaded_tokens:
             loaded_tokens += chunk.loaded_tokens
             load_transfers += 1

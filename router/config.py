@@ -103,15 +103,9 @@ class GatewayConfig:
                   queue_timeout_s=self.queue_timeout_s)  # fmt: skip
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
-        if not self.routing.cost_profile or not self.routing.step_token_budget:
-            engines = replace(  # seconds are priced as the simulated replica runs, unless told
-                self.routing,
-                cost_profile=self.routing.cost_profile or DEFAULT_PROFILE,
-                step_token_budget=(
-                    self.routing.step_token_budget or ReplicaConfig.max_num_batched_tokens
-                ),
-            )
-            object.__setattr__(self, "routing", engines)
+        # seconds are priced as the simulated replica runs, unless told otherwise
+        engines = self.routing.for_engines(DEFAULT_PROFILE, ReplicaConfig.max_num_batched_tokens)
+        object.__setattr__(self, "routing", engines)
 
     def configured_by(self, card: EngineCard, keep: Collection[str] = ()) -> GatewayConfig:
         """This configuration with what an engine says of itself (the model it serves,

@@ -31,6 +31,13 @@ from pathlib import Path
 import msgspec
 
 
+def attention_pairs(computed: int, tokens: int) -> float:
+    """(query, key) pairs of a prefill chunk of ``tokens`` after ``computed`` ones:
+    each new token attends to the computed ones and, causally, to the new ones up to
+    itself."""
+    return tokens * (computed + (tokens + 1) / 2)
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """The work of one step.
@@ -177,7 +184,7 @@ class CostProfile:
 
     def prefill_time(self, computed: int, tokens: int) -> float:
         """Seconds to prefill ``tokens`` after ``computed`` ones, alone in a step."""
-        pairs = tokens * (computed + (tokens + 1) / 2)
+        pairs = attention_pairs(computed, tokens)
         return self.costs.time(tokens, 1, pairs, 0) if tokens else 0.0
 
     def load_beats_recompute(

@@ -10,7 +10,7 @@ random generator are passed in, never global.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -148,6 +148,14 @@ class PolicyConfig:
     balance_rel_threshold: float = 1.5
     #: SGLang's tree holds up to 2**26 characters per worker (about 4 per token).
     sglang_max_tree_tokens: int = 2**26 // 4
+
+    def for_engines(self, profile: str, step_token_budget: int) -> PolicyConfig:
+        """These knobs with the seconds priced as the fleet's engines run, unless set."""
+        return replace(
+            self,
+            cost_profile=self.cost_profile or profile,
+            step_token_budget=self.step_token_budget or step_token_budget,
+        )
 
     @property
     def stride_tokens(self) -> int:

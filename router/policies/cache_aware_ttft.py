@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
-from replica.api.cost_model import CostProfile, get_profile
+from replica.api.cost_model import CostProfile, attention_pairs, get_profile
 from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
 from router.policies.cache_aware import CacheAware
 from router.policies.load_order import Load
@@ -87,18 +87,17 @@ class CacheAwareTTFT(CacheAware):
         return self.profile.costs.token_s
 
     def _queue_s(self, prefill: int, requests: int) -> float:
-        """The prefill ahead, in steps that each carry the running sequences; and the
-        request's own step's share of them."""
+        """The prefill ahead, in steps that each carry the running sequences, and
+        those sequences riding along in the request's own step."""
         costs = self.profile.costs
-        riders = costs.step_s + requests * (costs.seq_s + costs.token_s + costs.lm_head_s)
-        return costs.token_s * prefill + (prefill / self.step_tokens + 1) * riders
+        riders = requests * (costs.seq_s + costs.token_s + costs.lm_head_s)
+        return (
+            costs.token_s * prefill + prefill / self.step_tokens * (costs.step_s + riders) + riders
+        )
 
     def _prefill_s(self, cached: int, uncached: int) -> float:
         """The request's own step, as the engine times it."""
-        costs = self.profile.costs
-        pairs = uncached * (cached + (uncached + 1) / 2)
-        compute = costs.token_s * uncached + costs.lm_head_s + costs.attention_pair_s * pairs
-        return max(compute, costs.weights_s)
+        return self.profile.prefill_time(cached, uncached)
 
     def _load_function(self, requests: int, replicas: int) -> Load:
         """The queue ahead and the bound's overflow, in seconds."""
@@ -138,10 +137,9 @@ class CacheAwareTTFT(CacheAware):
         """The attention of the prompts this router queued there (another gateway's
         are known by their token count alone)."""
         pairs = sum(
-            r.predicted_uncached_tokens * (cached + (r.predicted_uncached_tokens + 1) / 2)
+            attention_pairs(r.predicted_cached_tokens or 0, r.predicted_uncached_tokens)
             for r in replica.in_flight.values()
             if r.prefilling
-            for cached in (r.predicted_cached_tokens or 0,)
         )
         return self.profile.costs.attention_pair_s * pairs
 
