@@ -28,6 +28,7 @@ from replica.api.cost_model import (
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.host_cache import HostCache
+from replica.lora import AdapterSlots
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.sampling import biased_token
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -66,10 +67,18 @@ class EngineConfig:
     #: Blocks of the host-memory tier (0: none) and its link ("": the profile's).
     host_blocks: int = 0
     host_link: str = ""
+    #: LoRA adapters it serves from the start (more can be loaded at run time), and how
+    #: many one batch may use at once (vLLM's ``--lora-modules`` and ``--max-loras``).
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.model in self.lora_modules:
+            raise ValueError(f"a LoRA adapter may not be named as the model, {self.model!r}")
         if self.host_blocks < 0:
             raise ValueError(f"host_blocks must not be negative, got {self.host_blocks}")
         if self.host_link:
@@ -99,6 +108,8 @@ class EngineConfig:
                 else replica.host_blocks
             ),
             host_link=replica.host_link,
+            lora_modules=replica.adapters,
+            max_loras=replica.max_loras,
         )
 
     @property
@@ -179,7 +190,10 @@ class Engine:
                 self.config.host_blocks, self.config.block_size, self.cache.events
             )
             self.cache.on_evicted = self.host.store
-        self.scheduler = Scheduler(self.config.scheduler, self.cache, self.host, self._should_load)
+        self.adapters = AdapterSlots(self.config.max_loras, self.config.lora_modules)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.cache, self.host, self._should_load, self.adapters
+        )
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self._vocabulary_ids = frozenset(self.tokenizer.vocabulary)  # for logit_bias
         self._hasher_factory = hasher_factory
@@ -202,7 +216,8 @@ class Engine:
                 f"({request.max_tokens}) exceeds the KV cache "
                 f"({self.config.capacity_tokens} tokens)"
             )
-        seed = identity_seed(self.config.model, request.cache_salt)
+        self.adapters.check(request.lora)
+        seed = identity_seed(request.lora or self.config.model, request.cache_salt)
         hasher = self._hasher_factory(self.config.block_size, seed)
         sample_seed = request.sample_seed
         if sample_seed is None:
@@ -257,7 +272,7 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration; an idle engine returns an empty result of zero duration."""
         chunks = self.scheduler.schedule()
-        batch = batch_shape(chunks)
+        batch = batch_shape(chunks, self.adapters.take_loads())
         duration = self.cost.step_time(batch, self.link) / self.config.compute_scale
         self.now += duration
         self.busy_s += duration
@@ -408,7 +423,7 @@ class Engine:
         return True
 
 
-def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
+def batch_shape(chunks: list[ScheduledChunk], adapter_loads: int = 0) -> BatchShape:
     """Summarise a step's chunks for the cost model: only computed tokens cost compute."""
     prefill_seqs = prefill_tokens = decode_seqs = decode_context = 0
     loaded_tokens = load_transfers = 0
@@ -426,5 +441,5 @@ def batch_shape(chunks: list[ScheduledChunk]) -> BatchShape:
             load_transfers += 1
     return BatchShape(
         prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context,
-        loaded_tokens, load_transfers,
+        loaded_tokens, load_transfers, adapter_loads,
     )  # fmt: skip

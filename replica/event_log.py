@@ -28,8 +28,11 @@ class EventLog:
         medium: Medium = "GPU",
         token_bytes: bytes = b"",
         salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
-        event = KVEvent(self._next_seq, kind, hashes, parent, depths, medium, token_bytes, salt)
+        event = KVEvent(
+            self._next_seq, kind, hashes, parent, depths, medium, token_bytes, salt, lora
+        )
         self._events.append(event)
         self._next_seq += 1
         if len(self._events) >= 2 * self.max_events:

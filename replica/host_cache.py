@@ -103,8 +103,10 @@ class HostCache:
             depths = tuple(r.depth for r in chain)
             tokens = b"".join(r.token_bytes for r in chain)
             root = chain[0]
-            salt = root.salt if root.parent_hash is None else None
-            self.events.append("stored", hashes, root.parent_hash, depths, "CPU", tokens, salt)
+            salt, lora = (root.salt, root.lora) if root.parent_hash is None else (None, None)
+            self.events.append(
+                "stored", hashes, root.parent_hash, depths, "CPU", tokens, salt, lora
+            )
         self.stats.stored_blocks += len(stored)
         return len(stored)
 

@@ -50,6 +50,7 @@ class Block:
     last_used: int = 0
     depth: int = 0  # position in its prompt, in blocks (0 for the first block)
     salt: str | None = None  # the cache salt that seeded it, kept for a first block
+    lora: str | None = None  # the LoRA adapter that seeded it, kept for a first block
 
     @property
     def is_cached(self) -> bool:
@@ -68,6 +69,7 @@ class EvictedBlock(NamedTuple):
     token_bytes: bytes
     depth: int
     salt: str | None = None  # the cache salt of a prompt's first block
+    lora: str | None = None  # and its LoRA adapter
 
 
 class _Run:
@@ -253,6 +255,7 @@ class PrefixCache:
         block_hashes: Sequence[int],
         token_bytes: bytes | bytearray,
         salt: str | None = None,
+        lora: str | None = None,
     ) -> int:
         """Register the full blocks ``block_table[start:stop]``; return how many were.
 
@@ -266,8 +269,8 @@ class PrefixCache:
         those after it stay private, and the count returned is short.
 
         Each run of newly cached blocks is logged as one ``stored`` event hanging off
-        the block before it, with its tokens (and ``salt``, the request's cache salt,
-        when the run starts the prompt).
+        the block before it, with its tokens (and ``salt`` and ``lora``, the request's
+        cache salt and adapter, when the run starts the prompt).
         """
         step = self.block_size * TOKEN_DTYPE.itemsize
         cached, run = self._cached, _Run(start)
@@ -282,28 +285,31 @@ class PrefixCache:
                 self.acquire((existing,))
                 self.release((block,))
                 block_table[index] = existing
-                self._log_stored(run, block_table, salt)
+                self._log_stored(run, block_table, salt, lora)
                 run = _Run(index + 1)
                 continue
             parent = block_table[index - 1] if index else None
             block.block_hash, block.parent, block.token_bytes = block_hash, parent, tokens
-            block.depth, block.salt = index, salt if index == 0 else None
+            block.depth = index
+            block.salt, block.lora = (salt, lora) if index == 0 else (None, None)
             cached[block_hash] = block
             if parent is not None:
                 parent.num_children += 1
             run.add(block_hash, tokens)
-        self._log_stored(run, block_table, salt)
+        self._log_stored(run, block_table, salt, lora)
         return stop - start
 
-    def _log_stored(self, run: _Run, block_table: list[Block], salt: str | None) -> None:
+    def _log_stored(
+        self, run: _Run, block_table: list[Block], salt: str | None, lora: str | None
+    ) -> None:
         if not run.hashes:
             return
         self.stats.stored_blocks += len(run.hashes)
         parent = block_table[run.start - 1].block_hash if run.start else None
         depths = tuple(range(run.start, run.start + len(run.hashes)))
         tokens = b"".join(run.tokens)
-        root_salt = salt if run.start == 0 else None
-        self.events.append("stored", tuple(run.hashes), parent, depths, "GPU", tokens, root_salt)
+        salt, lora = (salt, lora) if run.start == 0 else (None, None)
+        self.events.append("stored", tuple(run.hashes), parent, depths, "GPU", tokens, salt, lora)
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Unpin blocks; pass a request's blocks tail first so leaves age before parents."""
@@ -364,7 +370,8 @@ class PrefixCache:
             depths.append(victim.depth)
             if evicted is not None:
                 parent_hash = parent.block_hash if parent is not None else None
-                record = (block_hash, parent_hash, victim.token_bytes, victim.depth, victim.salt)
+                record = (block_hash, parent_hash, victim.token_bytes, victim.depth, victim.salt,
+                          victim.lora)  # fmt: skip
                 evicted.append(EvictedBlock(*record))  # type: ignore[arg-type]
             del self._cached[block_hash]  # type: ignore[arg-type]
             victim.block_hash, victim.parent, victim.token_bytes = None, None, b""

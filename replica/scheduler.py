@@ -8,7 +8,9 @@ Then waiting requests are admitted first come, first served, each starting after
 longest cached prefix, while the budget, the blocks and the cap on running requests
 allow. A prefix cached on the GPU is pinned; where it ends, a run of blocks held by
 the host tier is loaded back (copied into new GPU blocks, registered at once) when the
-cost model says loading beats recomputing it.
+cost model says loading beats recomputing it. A request under a LoRA adapter that
+finds no GPU slot for it is passed over, as vLLM's scheduler does, and keeps its place
+at the head of the queue (see ``replica/lora.py``).
 
 A block is registered in the cache when the step that fills it is scheduled, as vLLM
 V1 does, not once that step has run: a request admitted later in the same step then
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replica.host_cache import HostCache
+from replica.lora import AdapterSlots
 from replica.prefix_cache import Block, PrefixCache
 from replica.sequence import FinishReason, Sequence, Status
 
@@ -60,8 +63,10 @@ class Scheduler:
         cache: PrefixCache,
         host: HostCache | None = None,
         should_load: LoadPolicy = lambda host_tokens, computed, remaining: True,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.config = config
+        self.adapters = adapters or AdapterSlots(1)
         self.cache = cache
         self.host = host
         self.should_load = should_load
@@ -108,8 +113,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
+        passed_over: list[Sequence] = []  # their adapters have no GPU slot this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not self.adapters.can_run(seq.request.lora):
+                passed_over.append(self.waiting.popleft())
+                continue
             state = (
                 self.cache.last_event_seq,
                 self.cache.num_free_blocks + self.cache.num_idle_blocks,
@@ -127,6 +136,7 @@ class Scheduler:
                 self._stalled = (seq, budget, state)
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.adapters.use(seq.request.lora)
             stop = len(hits) + loaded
             if loaded:  # copied first: the allocation below may demote into a full host
                 assert self.host is not None
@@ -136,7 +146,7 @@ class Scheduler:
             if loaded:  # the copies hold the KV now: cache them, as computed blocks
                 self.cache.cache_blocks(
                     seq.block_table, len(hits), stop, seq.block_hashes, seq.token_bytes,
-                    seq.request.cache_salt,
+                    seq.request.cache_salt, seq.request.lora,
                 )  # fmt: skip
             seq.num_cached_blocks = len(hits) + loaded
             seq.num_computed_tokens = num_computed
@@ -147,6 +157,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, num_computed, num_tokens, loaded_tokens))
             self._register(seq, num_computed + num_tokens)
             budget -= num_tokens
+        self.waiting.extendleft(reversed(passed_over))
         return chunks
 
     def _max_blocks(self, seq: Sequence) -> int:
@@ -225,6 +236,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
+        self.adapters.done(seq.request.lora)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
@@ -254,7 +266,7 @@ class Scheduler:
             return
         done = self.cache.cache_blocks(
             seq.block_table, seq.num_cached_blocks, num_full, seq.block_hashes, seq.token_bytes,
-            seq.request.cache_salt,
+            seq.request.cache_salt, seq.request.lora,
         )  # fmt: skip
         seq.num_cached_blocks += done
         if seq.num_cached_blocks < num_full:
@@ -264,6 +276,7 @@ class Scheduler:
         """Free a request's blocks and drop it from whichever queue holds it."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self.adapters.done(seq.request.lora)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self._free(seq)

@@ -40,6 +40,9 @@ class EngineRequest:
     #: ``(token id, bias)`` pairs added to the toy model's (equal) logits, as vLLM adds
     #: a request's ``logit_bias`` to its model's.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: The LoRA adapter it runs under (its name seeds the request's block identities);
+    #: ``None``: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

@@ -17,7 +17,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
 
 from replica.api import openai as api
 from replica.api import stats as stats_codec
@@ -88,15 +89,40 @@ async def tokenize(body: api.TokenizeRequest, request: Request) -> dict[str, Any
 
 @routes.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
+    """The model, then its LoRA adapters, each naming the model as its ``parent``, as
+    vLLM lists them."""
     replica = _replica(request)
-    card = {
-        "id": replica.config.model,
-        "object": "model",
-        "created": 0,
-        "owned_by": "prefix-router",
-        "max_model_len": replica.engine.config.capacity_tokens,
-    }
-    return {"object": "list", "data": [card]}
+    model, max_len = replica.config.model, replica.engine.config.capacity_tokens
+    base = {"id": model, "object": "model", "created": 0, "owned_by": "prefix-router",
+            "root": model, "parent": None, "max_model_len": max_len}  # fmt: skip
+    adapters = [{**base, "id": name, "root": name, "parent": model}
+                for name in sorted(replica.engine.adapters.registered)]  # fmt: skip
+    return {"object": "list", "data": [base, *adapters]}
+
+
+class LoraChange(BaseModel):
+    """vLLM's body for ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the
+    simulated engine has no weights to read: ``lora_path`` is kept for compatibility)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = ""
+
+
+@routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(change: LoraChange, request: Request) -> Response:
+    refused = _replica(request).load_adapter(change.lora_name)
+    if refused is not None:
+        return JSONResponse(api.error_body(refused, 400, "lora_name"), status_code=400)
+    return PlainTextResponse(f"Success: LoRA adapter '{change.lora_name}' added successfully.")
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(change: LoraChange, request: Request) -> Response:
+    refused = _replica(request).unload_adapter(change.lora_name)
+    if refused is not None:
+        status = 404 if "cannot be found" in refused else 409
+        return JSONResponse(api.error_body(refused, status, "lora_name"), status_code=status)
+    return PlainTextResponse(f"Success: LoRA adapter '{change.lora_name}' removed successfully.")
 
 
 @routes.get("/health")

@@ -50,11 +50,10 @@ class Replica:
         token, so a router in front learns when the prefill ended, as a stream's first
         token tells it.
         """
-        if body.model and body.model != self.config.model:  # vLLM's rule: none, or its own
-            raise api.Rejected(f"the model {body.model!r} does not exist", 404, "model")
+        lora = self._adapter(body.model)
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
-        requests = self._engine_requests(request_id, body, prompts)
+        requests = self._engine_requests(request_id, body, prompts, lora)
         try:
             streams = self._submit(requests)
         except ValueError as error:
@@ -69,9 +68,10 @@ class Replica:
             self.metrics.ttft.observe(time.monotonic() - started)
 
         echoes = body.echoes(self.engine.tokenizer) if _echo(body) else []
+        choices = [r // body.n for r in range(len(requests))]
         spec = AnswerSpec(
-            request_id, self.config.model, chat, [r // body.n for r in range(len(requests))],
-            body.stop_strings, _logprobs(body), body.include_usage, echoes,
+            request_id, lora or self.config.model, chat, choices, body.stop_strings,
+            _logprobs(body), body.include_usage, echoes,
         )  # fmt: skip
         answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
@@ -82,6 +82,30 @@ class Replica:
             await outputs.aclose()
             raise api.Rejected(str(dead), 500) from None
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
+
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (``None``: the base model), as
+        vLLM reads it: none, the base model, or a loaded adapter; else 404."""
+        if not model or model == self.config.model:
+            return None
+        if model in self.engine.adapters.registered:
+            return model
+        raise api.Rejected(f"the model {model!r} does not exist", 404, "model")
+
+    def load_adapter(self, name: str) -> str | None:
+        """Serve the adapter ``name`` from now on; the reason if refused."""
+        if name == self.config.model or name in self.engine.adapters.registered:
+            return f"The lora adapter '{name}' has already been loaded."
+        self.engine.adapters.register(name)
+        return None
+
+    def unload_adapter(self, name: str) -> str | None:
+        """Stop serving the adapter ``name``; the reason if refused."""
+        if name not in self.engine.adapters.registered:
+            return f"The lora adapter '{name}' cannot be found."
+        if not self.engine.adapters.unregister(name):
+            return f"The lora adapter '{name}' is in use."
+        return None
 
     def _submit(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Queue every choice of every prompt at once: the engine registers a prompt's
@@ -104,6 +128,7 @@ class Replica:
         request_id: str,
         body: api.CompletionRequest | api.ChatCompletionRequest,
         prompts: list[np.ndarray],
+        lora: str | None = None,
     ) -> list[EngineRequest]:
         """Choice ``p * n + k`` samples prompt ``p`` for the ``k``-th time, from a seed of
         its own when the request gives one (the same request then answers the same)."""
@@ -124,6 +149,7 @@ class Replica:
                     sample_seed,
                     min_tokens=body.min_tokens,
                     logit_bias=body.token_bias,
+                    lora=lora,
                 )
             )
         return requests
@@ -148,7 +174,7 @@ class Replica:
         engine = self.engine
         return LoadReport(
             engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
-            free_blocks=engine.free_blocks,
+            free_blocks=engine.free_blocks, adapters=engine.adapters.resident,
         )  # fmt: skip
 
     def reset(self) -> bool:
@@ -186,6 +212,9 @@ class Replica:
             busy_s=engine.busy_s,
             kv_events=self.publisher.endpoint if self.publisher else None,
             kv_event_batches=self.publisher.batches if self.publisher else 0,
+            adapters=tuple(sorted(engine.adapters.registered)),
+            resident_adapters=engine.adapters.resident,
+            adapter_loads=engine.adapters.loads,
         )
 
     def _cache_figures(self) -> CacheFigures:

@@ -39,6 +39,8 @@ class EngineCard:
     kv_events: KVEventsEndpoint | None = None
     #: The engine's process, for operators (and tests that stop it).
     pid: int | None = None
+    #: The LoRA adapters it serves on top of ``model`` (requests name one as their model).
+    adapters: tuple[str, ...] = ()
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
@@ -46,7 +48,7 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
     config = stats.config
     return EngineCard(
         "sim", url, config.model, config.block_size, stats.cache.num_blocks,
-        config.tokenizer, stats.kv_events, stats.pid,
+        config.tokenizer, stats.kv_events, stats.pid, tuple(stats.adapters),
     )  # fmt: skip
 
 
@@ -71,12 +73,15 @@ def vllm_card(
     cache = vllm_cache_config(metrics_text)
     if not cache:
         return None
-    first = next(iter(models), {})
+    cards = list(models)
+    bases = [card for card in cards if not card.get("parent")]  # adapters name their parent
+    first = bases[0] if bases else {}
     model = str(first.get("id") or "")
     root = str(first.get("root") or model)  # the folder it loaded (its tokenizer's)
+    adapters = tuple(str(card["id"]) for card in cards if card.get("parent") and card.get("id"))
     return EngineCard(
         "vllm", url, model, _int(cache.get("block_size")), _int(cache.get("num_gpu_blocks")),
-        root or None, kv_events, pid,
+        root or None, kv_events, pid, adapters,
     )  # fmt: skip
 
 

@@ -42,6 +42,15 @@ class ReplicaConfig:
     #: folder; ``chat_template``: a Jinja file or text replacing the tokenizer's own.
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str = field(default="", metadata={"derived": "the tokenizer's"})
+    #: LoRA adapters served from the start, comma-separated names (requests name one as
+    #: their ``model``; more are loaded with ``POST /v1/load_lora_adapter``), and how
+    #: many one batch may use at once (vLLM's ``--lora-modules``, ``--max-loras``).
+    lora_modules: str = ""
+    max_loras: int = 1
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(name for name in self.lora_modules.split(",") if name)
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:

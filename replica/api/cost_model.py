@@ -55,6 +55,8 @@ class BatchShape:
     #: Tokens of KV loaded from the host tier before the step, in ``load_transfers`` copies.
     loaded_tokens: int = 0
     load_transfers: int = 0
+    #: LoRA adapters copied from host memory into GPU slots before the step.
+    adapter_loads: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +164,10 @@ class CostProfile:
     #: tokenizing, detokenizing), as calibrated. The replayer adds it to every request's
     #: times; a live simulated replica pays its own instead.
     request_s: float = 0.0
+    #: Bytes of a LoRA adapter per unit of rank, over every linear layer (0: no
+    #: adapters modelled); one of ``lora_rank`` is copied into a GPU slot on first use.
+    lora_bytes_per_rank: float = 0.0
+    lora_rank: int = 16
 
     def step_time(self, batch: BatchShape, link: HostLink | None = None) -> float:
         """Seconds of GPU time for ``batch``; 0 for an empty batch."""
@@ -173,9 +179,18 @@ class CostProfile:
             batch.prefill_attention_pairs + batch.decode_context_tokens,
             batch.decode_context_tokens,
         )
+        if batch.adapter_loads:
+            compute += batch.adapter_loads * self.adapter_load_time(link)
         if not batch.loaded_tokens:
             return compute
         return compute + self.load_time(batch.loaded_tokens, batch.load_transfers, link)
+
+    def adapter_load_time(self, link: HostLink | None = None) -> float:
+        """Seconds to copy one LoRA adapter from host memory into a GPU slot (vLLM keeps
+        registered adapters in host memory and copies one in when a batch first needs it;
+        each GPU of a tensor-parallel group copies its shard)."""
+        link = link or self.host_link
+        return link.copy_time(self.lora_rank * self.lora_bytes_per_rank / self.num_gpus)
 
     def load_time(self, tokens: int, transfers: int = 1, link: HostLink | None = None) -> float:
         """Seconds to copy ``tokens`` of KV from host memory to the GPUs."""
@@ -255,6 +270,9 @@ class Roofline:
     num_gpus: int = 1
     gpu_memory_bytes: float = 80e9
     host_memory_bytes: float = 256e9
+    #: Per unit of LoRA rank, every linear layer's A and B matrices: rank x (inputs +
+    #: outputs) parameters each, in the weights' bytes.
+    lora_bytes_per_rank: float = 0.0
 
     def __post_init__(self) -> None:
         efficiencies = (
@@ -288,6 +306,7 @@ class Roofline:
         return CostProfile(
             self.name, costs, self.kv_bytes_per_token, self.weight_bytes, self.host_link,
             self.num_gpus, self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
+            lora_bytes_per_rank=self.lora_bytes_per_rank,
         )  # fmt: skip
 
     def layers_only(self) -> Roofline:
@@ -306,6 +325,15 @@ class Roofline:
 def _llama3_kv_bytes(num_layers: int) -> int:
     # K and V, 8 KV heads of dimension 128, bf16 (2 bytes): Llama-3 GQA config.
     return 2 * num_layers * 8 * 128 * 2
+
+
+def _llama3_lora_bytes_per_rank(num_layers: int, hidden: int, intermediate: int) -> float:
+    # A LoRA on every linear layer (q, k, v, o, gate, up, down), bf16: each adds rank x
+    # (inputs + outputs) parameters; K and V project to 8 heads of 128.
+    kv = 8 * 128
+    attention = 2 * (hidden + hidden) + 2 * (hidden + kv)
+    mlp = 3 * (hidden + intermediate)
+    return 2.0 * num_layers * (attention + mlp)
 
 
 # Llama-3-8B: 32 layers, hidden 4096, 8 KV heads, vocabulary 128,256 (model config, as
@@ -340,6 +368,8 @@ LLAMA3_8B_H100 = Roofline(
     kv_read_efficiency=0.78,
     step_overhead_s=0.1e-3,
     seq_overhead_s=20e-6,
+    # intermediate size 14,336: a rank-16 adapter is 84 MB, 1.7 ms over PCIe 5
+    lora_bytes_per_rank=_llama3_lora_bytes_per_rank(32, 4096, 14336),
 )
 
 # The same model on an A100 SXM 80GB: 312 dense BF16 TFLOPS, 2.039 TB/s HBM2e, PCIe
@@ -380,6 +410,7 @@ LLAMA3_70B_4XH100 = Roofline(
     step_overhead_s=0.5e-3,
     seq_overhead_s=20e-6,
     num_gpus=4,
+    lora_bytes_per_rank=_llama3_lora_bytes_per_rank(80, 8192, 28672),
 )
 
 ROOFLINES: dict[str, Roofline] = {

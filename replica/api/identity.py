@@ -6,7 +6,9 @@ per block, ``intdigest`` at each block end). Position is baked in, like a chaine
 hash, and the result is chunk-invariant: the identity at token 64 is the same
 whether it was computed in blocks of 16 or of 64, so a router may look at every
 k-th boundary and get the replica's numbers. The state's seed comes from the model
-name and the tenant's cache salt, so two tenants never share an identity.
+name (or, for a request served under a LoRA adapter, the adapter's: vLLM salts its
+block hashes with the adapter's name likewise) and the tenant's cache salt, so two
+tenants, or two adapters, never share an identity.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 @lru_cache(maxsize=4096)
 def identity_seed(model: str, cache_salt: str | None = None) -> int:
-    """The seed of every identity for one (model, tenant salt) pair."""
+    """The seed of every identity for one (model or adapter name, tenant salt) pair."""
     return xxhash.xxh3_64_intdigest(f"{model}\x00{cache_salt or ''}".encode())
 
 

@@ -50,7 +50,8 @@ class KVEvent:
 
     A ``stored`` event carries its blocks' tokens (``token_bytes``, in order, as
     vLLM's ``BlockStored.token_ids``) and, for a chain that starts a prompt, the cache
-    salt that seeded it: enough for a router to key the blocks with its own hash.
+    salt and the LoRA adapter that seeded it: enough for a router to key the blocks
+    with its own hash.
     """
 
     seq: int
@@ -61,6 +62,9 @@ class KVEvent:
     medium: Medium = "GPU"
     token_bytes: TokenBytes = b""
     salt: str | None = None
+    #: The LoRA adapter the chain was computed under (vLLM's ``BlockStored.lora_name``),
+    #: which seeds its identities in place of the model's name; ``None``: the base model.
+    lora: str | None = None
 
 
 @dataclass(frozen=True)

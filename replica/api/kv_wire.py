@@ -9,7 +9,8 @@ batch first staying an array, later a map too. :func:`decode_batch` reads all of
 :func:`encode_batch` writes the newest, with the fields in vLLM's order.
 
 Our replicas add what vLLM carries elsewhere: a chain root's cache salt goes in the
-first block's ``extra_keys`` (where vLLM puts ``cache_salt``).
+first block's ``extra_keys`` (where vLLM puts ``cache_salt``). A LoRA adapter's name
+goes where vLLM puts it: ``lora_name``, and first in every block's ``extra_keys``.
 """
 
 from __future__ import annotations
@@ -72,17 +73,26 @@ def encode_batch(events: list[KVEvent], ts: float, block_size: int) -> bytes:
 
 def _vllm_event(event: KVEvent, block_size: int) -> KVCacheEvent:
     if event.kind == "stored":
-        extra = None
-        if event.salt is not None and event.parent_hash is None:
-            extra = [[event.salt], *([None] * (len(event.block_hashes) - 1))]
         tokens = np.frombuffer(event.token_bytes, dtype=TOKEN_DTYPE).tolist()
         hashes = list(event.block_hashes)
         return BlockStored(
-            hashes, event.parent_hash, tokens, block_size, None, event.medium, None, extra
-        )
+            hashes, event.parent_hash, tokens, block_size, None, event.medium, event.lora,
+            _extra_keys(event),
+        )  # fmt: skip
     if event.kind == "removed":
         return BlockRemoved(list(event.block_hashes), event.medium)
     return AllBlocksCleared()
+
+
+def _extra_keys(event: KVEvent) -> list[list[Any] | None] | None:
+    """vLLM's per-block extra keys: the LoRA adapter's name on every block, then the
+    cache salt on a prompt's first block."""
+    lora = [event.lora] if event.lora is not None else []
+    salted = event.salt is not None and event.parent_hash is None
+    if not lora and not salted:
+        return None
+    first = [*lora, event.salt] if salted else lora
+    return [first, *([lora or None] * (len(event.block_hashes) - 1))]
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], int | None]:
@@ -115,11 +125,11 @@ def _our_event(seq: int, item: Any) -> tuple[KVEvent, int | None]:
     if tag == "BlockStored":
         f = _fields(item, STORED_FIELDS)
         tokens = np.asarray(f.get("token_ids") or [], dtype=TOKEN_DTYPE).tobytes()
-        extra = f.get("extra_keys") or [None]
-        salt = extra[0][0] if extra and extra[0] and isinstance(extra[0][0], str) else None
+        lora = f.get("lora_name") if isinstance(f.get("lora_name"), str) else None
         hashes = tuple(_hash(h) for h in f["block_hashes"])
         parent = None if f.get("parent_block_hash") is None else _hash(f["parent_block_hash"])
-        event = KVEvent(seq, "stored", hashes, parent, (), _medium(f), tokens, salt)
+        salt = _salt(f.get("extra_keys"), lora is not None) if parent is None else None
+        event = KVEvent(seq, "stored", hashes, parent, (), _medium(f), tokens, salt, lora)
         return event, f.get("block_size")
     if tag == "BlockRemoved":
         f = _fields(item, REMOVED_FIELDS)
@@ -128,6 +138,13 @@ def _our_event(seq: int, item: Any) -> tuple[KVEvent, int | None]:
     if tag == "AllBlocksCleared":
         return KVEvent(seq, "cleared"), None
     raise ValueError(f"unknown KV event type {tag!r}")
+
+
+def _salt(extra_keys: Any, after_lora: bool) -> str | None:
+    """The cache salt in a first block's extra keys (after the adapter's name, if any)."""
+    first = extra_keys[0] if isinstance(extra_keys, list) and extra_keys else None
+    keys = list(first or ())[1 if after_lora else 0 :]
+    return keys[-1] if keys and isinstance(keys[-1], str) else None
 
 
 def _fields(item: Any, names: tuple[str, ...]) -> dict[str, Any]:

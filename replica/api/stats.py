@@ -76,6 +76,9 @@ class LoadReport:
     #: KV blocks a new request could be given now, free or cached and unused (``None``:
     #: not said): a request needing more waits for running ones to finish.
     free_blocks: int | None = None
+    #: LoRA adapters in its GPU slots, the least recently used first (``None``: not said):
+    #: a request under another waits for a slot and the adapter's copy.
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class ReplicaStats:
     #: KV event batches published since it started (never reset): a subscriber whose
     #: next expected batch is this one has every event so far.
     kv_event_batches: int = 0
+    #: LoRA adapters it serves (requests name one as their ``model``), and those of them
+    #: in GPU slots now, and the copies into slots so far.
+    adapters: tuple[str, ...] = ()
+    resident_adapters: tuple[str, ...] = ()
+    adapter_loads: int = 0
 
 
 def encode(value: Any) -> dict[str, Any]:
