@@ -65,6 +65,8 @@ class Accounting:
         #: Per policy (it can be switched while the gateway runs): requests and cached
         #: tokens, and the time from dispatch to the first token.
         self.policies: defaultdict[str, RequestCounts] = defaultdict(RequestCounts)
+        #: Per model or adapter named (a fleet may serve several).
+        self.models: defaultdict[str, RequestCounts] = defaultdict(RequestCounts)
         self.ttft: defaultdict[str, LatencyHistogram] = defaultdict(LatencyHistogram)
         self.retries = 0
         #: Requests whose prompt the gateway could not read (routed by load alone).
@@ -97,6 +99,9 @@ class Accounting:
         self._count(self.policies[policy.name], request.num_prompt_tokens, cached, failed)
         if request.tenant is not None:
             self._count(self.tenants[request.tenant], request.num_prompt_tokens, cached, failed)
+        model = request.adapter or request.model
+        if model is not None:
+            self._count(self.models[model], request.num_prompt_tokens, cached, failed)
         if cached is not None and request.predicted_cached_tokens is not None:
             counts = self.by_backend[replica.replica_id][policy.name]
             counts.predicted(
@@ -127,6 +132,7 @@ class Accounting:
             totals=self.totals.stats(),
             pid=os.getpid(),
             policies={name: self._policy_stats(name) for name in self.policies},
+            models={name: counts.stats() for name, counts in self.models.items()},
         )
 
     def _policy_stats(self, name: str) -> PolicyStats:

@@ -181,10 +181,13 @@ def _tenant_routing(
     salt = tenant_salt(name, envelope.cache_salt)
     fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}
     gateway = _gateway(request)
+    served = gateway.resolve(envelope.body.get("model"))
     if prompt is None:
         gateway.accounting.unread_prompts += 1
-        return RoutingRequest(api.new_id("route"), 0, tenant=name), fields
-    routing = gateway.routing_request(prompt, salt, name)
+        routing = RoutingRequest(api.new_id("route"), 0, tenant=name, model=served.model,
+                                 adapter=served.adapter)  # fmt: skip
+        return routing, fields
+    routing = gateway.routing_request(prompt, salt, name, served)
     routing.session = _session_key(request, envelope, gateway.config.session_key)
     gateway.accounting.session_requests += routing.session is not None
     return routing, fields
@@ -242,9 +245,14 @@ async def chat_schema(body: api.ChatCompletionRequest, request: Request) -> Resp
 
 @routes.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    card = {"id": _gateway(request).config.model, "object": "model", "created": 0,
-            "owned_by": "prefix-router"}  # fmt: skip
-    return {"object": "list", "data": [card]}
+    """Every model the fleet serves, then the LoRA adapters, each naming its base model
+    as ``parent`` (as vLLM lists them)."""
+    cards = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "prefix-router",
+         "root": name, "parent": parent}
+        for name, parent in _gateway(request).models.names()
+    ]  # fmt: skip
+    return {"object": "list", "data": cards}
 
 
 # ----------------------------------------------------------------- operating it

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,8 +88,11 @@ class Backend:
     #: Circuit breaker: an unhealthy backend gets no requests until a probe succeeds.
     healthy: bool = True
     failed_probes: int = 0
-    #: What it says of itself, once known.
+    #: What it says of itself, once known, and when it was last asked.
     card: EngineCard | None = None
+    described_at: float = 0.0
+    #: Routed to: it said what it serves (or was asked and did not say).
+    joined: bool = False
     routing_mode: RoutingMode = "checking"
     #: Why it is routed approximately (what differs, and the flag that fixes it).
     approximate_reason: str | None = None
@@ -119,6 +123,7 @@ class BackendPool:
         health_interval_s: float = 0.5,
         failure_threshold: int = 2,
         check: BackendCheck | None = None,
+        describe_interval_s: float = 10.0,
     ) -> None:
         self.client = client
         self.check = check
@@ -129,6 +134,7 @@ class BackendPool:
         self._capacity = default_capacity_blocks
         self._health_interval = health_interval_s
         self._failure_threshold = failure_threshold
+        self._describe_interval = describe_interval_s
         self._backends: dict[str, Backend] = {}
         self._streams: KVStreams | None = None  # the thread following pushed events, if any
 
@@ -138,8 +144,8 @@ class BackendPool:
 
     @property
     def states(self) -> list[ReplicaState]:
-        """The backends to route to: those whose circuit is closed."""
-        return [b.state for b in self._backends.values() if b.healthy]
+        """The backends to route to: those that joined and whose circuit is closed."""
+        return [b.state for b in self._backends.values() if b.healthy and b.joined]
 
     def open_circuit(self, backend: Backend) -> None:
         """Stop routing to ``backend`` at once and forget what its cache held; probes
@@ -183,16 +189,37 @@ class BackendPool:
             raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
         for backend in self._backends.values():
             if backend.url == url:
+                if card is not None:  # told again (Ray's discovery): adapters may have changed
+                    self._learn(backend, card)
                 return backend
         name = replica_id or url
         capacity = capacity_blocks or (card.num_blocks if card else None) or self._capacity
         state = ReplicaState(name, capacity)
         kv_endpoint = kv_endpoint or (card.kv_events if card else None)
-        backend = Backend(url, state, kv_endpoint=kv_endpoint, card=card)
+        backend = Backend(url, state, kv_endpoint=kv_endpoint)
         self._backends[name] = backend
-        self._on_added(backend.state)
+        if card is not None:  # what it serves is known: route to it at once
+            self._learn(backend, card)
+            self._join(backend)
         backend._poller = asyncio.get_running_loop().create_task(self._watch(backend))
         return backend
+
+    def _learn(self, backend: Backend, card: EngineCard) -> None:
+        """Take what the backend says of itself: the model and adapters it serves."""
+        state, routed = backend.state, backend.joined and backend.healthy
+        backend.card, backend.described_at = card, time.monotonic()
+        if card.num_blocks:
+            state.capacity_blocks = card.num_blocks
+        model = card.model or None
+        if model != state.model and routed:  # another model: it moves to that model's policy
+            self._on_removed(state)
+            state.model = model
+            self._on_added(state)
+        state.model, state.adapters = model, frozenset(card.adapters)
+
+    def _join(self, backend: Backend) -> None:
+        backend.joined = True
+        self._on_added(backend.state)
 
     async def remove(self, url_or_id: str) -> bool:
         key = url_or_id.rstrip("/")
@@ -222,10 +249,11 @@ class BackendPool:
     async def _watch(self, backend: Backend) -> None:
         """Follow the backend for ever: learn what it is, subscribe to its pushed KV
         events if it has any, check it, then probe it (see :meth:`_probe`)."""
-        if backend.card is None:
-            backend.card = await describe(self.client, backend.url)
-            if backend.card and backend.card.num_blocks:
-                backend.state.capacity_blocks = backend.card.num_blocks
+        if not backend.joined:
+            card = await describe(self.client, backend.url)
+            if card is not None:
+                self._learn(backend, card)
+            self._join(backend)  # told nothing: it serves the gateway's default model
         endpoint = backend.kv_endpoint or (backend.card.kv_events if backend.card else None)
         if endpoint is not None:
             backend.kv_endpoint = endpoint
@@ -302,6 +330,8 @@ class BackendPool:
         are quiet whenever their caches are, or a silent stream)."""
         while True:
             healthy = await self._probe(backend)
+            if healthy and time.monotonic() - backend.described_at > self._describe_interval:
+                await self._describe_again(backend)
             if healthy:
                 backend.failed_probes = 0
                 if not backend.healthy:
@@ -330,6 +360,13 @@ class BackendPool:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    async def _describe_again(self, backend: Backend) -> None:
+        """Learn again what it serves (adapters are loaded and unloaded at run time)."""
+        backend.described_at = time.monotonic()
+        card = await describe(self.client, backend.url)
+        if card is not None:
+            self._learn(backend, card)
 
     async def _follow_events(self, backend: Backend) -> bool:
         """Hand the backend's new KV events to the policy; False if it did not answer."""

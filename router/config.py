@@ -61,6 +61,9 @@ class GatewayConfig:
     #: (see router/backend_check.py); one that disagrees is routed approximately.
     check_backends: bool = True
     kv_events_interval_s: float = 0.05
+    #: How often each backend is asked again what it serves (its card: the LoRA adapters
+    #: loaded and unloaded at run time); Ray's replicas say it every second anyway.
+    describe_interval_s: float = 5.0
     #: Upstream calls: connecting, the longest silence within an answer (a queued
     #: prefill, a slow stream) and the whole answer, in seconds.
     upstream_connect_timeout_s: float = 5.0
@@ -97,6 +100,7 @@ class GatewayConfig:
         _at_least(0, max_queued=self.max_queued, max_retries=self.max_retries,
                   retry_backoff_s=self.retry_backoff_s)  # fmt: skip
         _positive(kv_events_interval_s=self.kv_events_interval_s,
+                  describe_interval_s=self.describe_interval_s,
                   upstream_connect_timeout_s=self.upstream_connect_timeout_s,
                   upstream_read_timeout_s=self.upstream_read_timeout_s,
                   upstream_timeout_s=self.upstream_timeout_s,

@@ -63,7 +63,8 @@ class EventKeys:
             self.unkeyed += len(event.block_hashes)
             return []
         if event.parent_hash is None:
-            chain = _Chain(identity_seed(self.model, event.salt), b"", 0, False)
+            # seeded as the engine seeded it: by its adapter's name, else the model's
+            chain = _Chain(identity_seed(event.lora or self.model, event.salt), b"", 0, False)
         else:
             parent = self._chains.get(event.parent_hash)
             if parent is None:  # its parent was never seen, or already removed

@@ -2,13 +2,15 @@
 
 One :class:`Gateway` per app. It turns a prompt into what the policy sees (block
 identities at every ``stride``-th boundary, seeded as the replicas seed them),
-admits requests while replicas have room, and switches policies at run time. The
+admits requests while replicas of their model have room, and switches policies at
+run time; each model served has a policy of its own (``router/models.py``). The
 request path is ``router/upstream.py``; the HTTP handlers are ``router/app.py``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import aiohttp
 import numpy as np
@@ -24,6 +26,7 @@ from router.backends import BackendPool
 from router.config import GatewayConfig
 from router.hot_prefixes import HotPrefixes
 from router.metrics import GatewayMetrics
+from router.models import ModelRoutes, ServedName
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
 from router.stats import GatewayStats
 
@@ -33,19 +36,21 @@ class Gateway:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         self.rng = np.random.default_rng(config.seed)
-        self.policy: Policy = self._make_policy(config.policy)
+        self.policy_name = config.policy
+        self.models = ModelRoutes(self._policy_for, config.model)
         routing = config.routing
         check = BackendCheck(
             client, self.tokenizer, config.model, routing.block_size, routing.index.stride
         )
         self.pool = BackendPool(
             client,
-            on_events=lambda state, events: self.policy.on_kv_events(state, events),
-            on_added=lambda state: self.policy.on_replica_added(state),
-            on_removed=lambda state: self.policy.on_replica_removed(state),
+            on_events=self.models.events,
+            on_added=self._added,
+            on_removed=self.models.removed,
             poll_interval_s=config.kv_events_interval_s,
             default_capacity_blocks=config.capacity_blocks,
             check=check if config.check_backends else None,
+            describe_interval_s=config.describe_interval_s,
         )
         self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
@@ -55,43 +60,82 @@ class Gateway:
             board.hot_prefixes_kept, board.hot_prefix_half_life, board.hot_prefix_sample_tokens
         )
 
-    def _make_policy(self, name: str) -> Policy:
-        return make_policy(name, time.monotonic, self.rng, self.config.routing)
+    def _policy_for(self, model: str) -> Policy:
+        routing = replace(self.config.routing, model=model)  # it seeds the model's index
+        return make_policy(self.policy_name, time.monotonic, self.rng, routing)
+
+    @property
+    def policy(self) -> Policy:
+        """The default model's policy (the only one in a fleet of one model)."""
+        return self.models.policy()
+
+    def policy_of(self, request: RoutingRequest) -> Policy:
+        return self.models.policy(request.model)
 
     def switch_policy(self, name: str) -> None:
-        """Route with ``name`` from now on; the new policy learns the fleet afresh."""
-        policy = self._make_policy(name)
-        for state in self.pool.states:
-            policy.on_replica_added(state)
-        self.policy = policy
+        """Route with ``name`` from now on; the new policies learn the fleet afresh."""
+        make_policy(name, time.monotonic, self.rng, self.config.routing)  # refused here if bad
+        self.policy_name = name
+        self.models.switch(self._policy_for)
+
+    def _added(self, state: ReplicaState) -> None:
+        self.models.added(state)
+        self.admission.slot_freed()  # requests for its model may be waiting for it
+
+    def resolve(self, model: object) -> ServedName:
+        """What a request's ``model`` field names; 404, as vLLM answers, if no replica
+        serves it."""
+        name = model if isinstance(model, str) else None
+        served = self.models.resolve(name)
+        if served is None:
+            known = ", ".join(name for name, _ in self.models.names())
+            raise api.Rejected(f"the model {name!r} does not exist (served: {known})", 404, "model")
+        return served
 
     def routing_request(
-        self, prompt: np.ndarray, cache_salt: str | None, tenant: str | None = None
+        self,
+        prompt: np.ndarray,
+        cache_salt: str | None,
+        tenant: str | None = None,
+        served: ServedName | None = None,
     ) -> RoutingRequest:
-        """Hash the prompt as a replica will: seeded by model and (tenant) salt."""
-        seed = identity_seed(self.config.model, cache_salt)  # one short hash, no cache to grow
+        """Hash the prompt as a replica will: seeded by model (or adapter) and salt."""
+        served = served or ServedName(self.config.model)
+        seed = identity_seed(served.name, cache_salt)  # one short hash, no cache to grow
         hashes = prefix_keys(prompt, self.config.routing.stride_tokens, seed)
         self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
-        return RoutingRequest(api.new_id("route"), len(prompt), hashes, tenant=tenant)
+        return RoutingRequest(
+            api.new_id("route"), len(prompt), hashes, tenant=tenant,
+            model=served.model, adapter=served.adapter,
+        )  # fmt: skip
 
-    async def admit(self) -> list[ReplicaState]:
-        """The replicas with a free slot, once this request's turn has come; raises
-        :class:`~router.admission.Overloaded` when the queue is full or too slow."""
+    async def admit(self, request: RoutingRequest) -> list[ReplicaState]:
+        """The replicas of the request's model with a free slot, once its turn has
+        come; raises :class:`~router.admission.Overloaded` when the queue is full or too
+        slow."""
         if not len(self.admission):
-            states = self.available()
+            states = self.available(request)
             if states:
                 return states
         deadline = self.admission.deadline()
         while True:  # woken when a slot frees; another request may have taken it
             await self.admission.wait_turn(deadline)
-            states = self.available()
+            states = self.available(request)
             if states:
                 return states
 
-    def available(self) -> list[ReplicaState]:
-        """Healthy replicas below their cap of requests in flight."""
+    def serving(self, request: RoutingRequest) -> list[ReplicaState]:
+        """Healthy replicas that serve the request's model (and adapter)."""
+        states = self.pool.states
+        if request.adapter is None and len(self.models.policies) <= 1:
+            return states  # one model: every replica serves it
+        served = ServedName(request.model or self.models.default_model, request.adapter)
+        return self.models.serving(served, states)
+
+    def available(self, request: RoutingRequest) -> list[ReplicaState]:
+        """Those of :meth:`serving` below their cap of requests in flight."""
         limit = self.config.max_outstanding_per_replica
-        return [s for s in self.pool.states if s.outstanding_requests < limit]
+        return [s for s in self.serving(request) if s.outstanding_requests < limit]
 
     def stats(self) -> GatewayStats:
-        return self.accounting.stats(self.policy.name, self.config, self.pool, self.admission)
+        return self.accounting.stats(self.policy_name, self.config, self.pool, self.admission)

@@ -1,8 +1,8 @@
 """What the gateway reads of a request before routing it, and no more.
 
 The gateway is never stricter than its backends: it refuses only what it cannot
-route (a body over the limits, a body that is not a JSON object, a model it does
-not serve) and forwards everything else as the client wrote it, for the backend to
+route (a body over the limits, a body that is not a JSON object, a model no replica
+serves: ``Gateway.resolve``) and forwards everything else as the client wrote it, for the backend to
 accept or refuse as it would without a router. What it needs for routing it reads
 leniently: the prompt (the first of a batch), rendered by the replicas' chat
 template; a request whose prompt it cannot read is routed by load alone.
@@ -63,9 +63,6 @@ async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes,
         raise api.Rejected(f"invalid JSON: {error}", 400) from None
     if not isinstance(body, dict):
         raise api.Rejected("the request body must be a JSON object", 400)
-    model = body.get("model")
-    if model is not None and model != config.model:
-        raise api.Rejected(f"the model {model!r} does not exist", 404, "model")
     return raw, Envelope.of(body)
 
 

@@ -4,7 +4,7 @@ from the accounting, the backends and the queue at scrape time."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -143,14 +143,8 @@ class GatewayMetrics:
 
     def _by_policy_totals(self) -> Iterable[Metric]:
         """Every request per policy, and its time to first token seen from the gateway."""
-        policies = self._accounting.policies
-        for key, text, read in BY_TENANT:
-            family = CounterMetricFamily(
-                f"prefix_router_policy_{key}", text.replace("tenant", "policy"), labels=["policy"]
-            )
-            for policy, counts in policies.items():
-                family.add_metric([policy], read(counts))
-            yield family
+        yield from _request_families("policy", self._accounting.policies)
+        yield from _request_families("model", self._accounting.models)
         ttft = HistogramMetricFamily(
             "prefix_router_time_to_first_token_seconds",
             "Time from dispatch to the first token, per policy.",
@@ -161,6 +155,17 @@ class GatewayMetrics:
             bounds = [*map(str, histogram.bounds), "+Inf"]
             ttft.add_metric([policy], list(zip(bounds, cumulative, strict=True)), histogram.sum_s)
         yield ttft
+
+
+def _request_families(label: str, counts_by: Mapping[str, RequestCounts]) -> Iterable[Metric]:
+    """``prefix_router_<label>_*``: requests, errors and tokens per ``label`` value."""
+    for key, text, read in BY_TENANT:
+        family = CounterMetricFamily(
+            f"prefix_router_{label}_{key}", text.replace("tenant", label), labels=[label]
+        )
+        for name, counts in counts_by.items():
+            family.add_metric([name], read(counts))
+        yield family
 
 
 class TenantMetrics:

@@ -155,6 +155,8 @@ class GatewayStats:
     pid: int = 0
     #: Per policy that has routed since the gateway started.
     policies: dict[str, PolicyStats] = field(default_factory=dict)
+    #: Per model (or LoRA adapter) that requests named.
+    models: dict[str, TenantStats] = field(default_factory=dict)
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

@@ -65,7 +65,7 @@ class Upstream:
         if not gateway.pool.backends:
             return _error("no backends to route to", 503)
         try:
-            states = await gateway.admit()
+            states = await gateway.admit(routing)
         except Overloaded as error:
             headers = {"retry-after": str(error.retry_after_s)}
             return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
@@ -87,7 +87,7 @@ class Upstream:
             candidates = [s for s in states if s.replica_id not in tried]
             if not candidates:
                 break
-            policy = gateway.policy
+            policy = gateway.policy_of(routing)
             backend = gateway.pool.by_state(policy.choose(routing, candidates))
             tried.add(backend.state.replica_id)
             gateway.accounting.dispatched(routing, backend.state, policy)
@@ -98,7 +98,8 @@ class Upstream:
             if attempt < max_retries:
                 gateway.accounting.retries += 1
                 await self._backoff(attempt)
-                states = gateway.available() or gateway.pool.states  # circuits may have opened
+                # circuits may have opened
+                states = gateway.available(routing) or gateway.serving(routing)
         return _error(f"no replica could serve the request: {failure}", 502)
 
     async def _backoff(self, attempt: int) -> None:

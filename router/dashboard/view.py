@@ -211,7 +211,8 @@ def _replica_view(
     seconds = now.ts - start.ts if start else 0.0
     rates = replica_rates(now.replicas[name], start.replicas.get(name) if start else None, seconds)
     cache = own.cache if own else None
-    index = gateway.policy.index if isinstance(gateway.policy, IndexedPolicy) else None
+    policy = gateway.models.policy(backend.model)
+    index = policy.index if isinstance(policy, IndexedPolicy) else None
     return ReplicaView(
         name, backend.url, backend.healthy, backend.dispatched,
         backend.outstanding_requests, backend.outstanding_prefill_tokens,
@@ -253,13 +254,13 @@ def _policy_views(
 
 
 def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPrefixView]:
-    policy = gateway.policy
-    index = policy.index if isinstance(policy, IndexedPolicy) else None
+    # identities are seeded per model: a prefix is held only in its model's index
+    indexes = [p.index for p in gateway.models.policies.values() if isinstance(p, IndexedPolicy)]
     stride = gateway.config.routing.stride_tokens
     views = []
     for prefix in gateway.hot_prefixes.top(count):
         text = gateway.tokenizer.decode(prefix.tokens) if show_text else None
-        holders = _holders(index, prefix) if index is not None else None
+        holders = [h for index in indexes for h in _holders(index, prefix)] if indexes else None
         tokens = len(prefix.stride_hashes) * stride
         name = f"{prefix.leading:016x}"
         views.append(HotPrefixView(name, prefix.requests, tokens, holders, text))

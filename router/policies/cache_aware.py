@@ -65,9 +65,9 @@ class CacheAware(IndexedPolicy):
         popular = self._popular_tokens(request)
         priced = self._with_session(request, replicas, matched)
         whole_fleet = self.order and len(replicas) == len(self.order)
-        if whole_fleet and not self.prices_every_replica:
+        if whole_fleet and not self.prices_every_replica and request.adapter is None:
             chosen = self._choose_in_fleet(request, priced, host, popular)
-        else:  # some replicas are full, a retry, or a variant's price: one by one
+        else:  # replicas full, a retry, an adapter, or a variant's price: one by one
             chosen = self._choose_by_scan(request, replicas, priced, host, popular)
         # the engine reports host hits as cached
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
@@ -125,10 +125,20 @@ class CacheAware(IndexedPolicy):
                 self._unseen_by_load(r, prompt - h) for r, h in zip(replicas, held, strict=True)
             ]
             loads = [load + extra for load, extra in zip(loads, unseen, strict=True)]
+        if request.adapter is not None:
+            loads = [
+                load + self._adapter_cost(request.adapter, r)
+                for load, r in zip(loads, replicas, strict=True)
+            ]
         if not host and not any(matched.values()):
             ceiling = min(loads) + self._cold_slack()
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
-            return rendezvous(rendezvous_key(request), near)
+            if request.adapter is None:
+                return rendezvous(rendezvous_key(request), near)
+            # a cold prompt under an adapter goes where a slot holds it, else where the
+            # adapter's other prompts go (all routers agree): it stays in few slots
+            holding = [r for r in near if not self._adapter_cost(request.adapter, r)]
+            return rendezvous(request.adapter.encode(), holding or near)
         nothing_cached = self._recompute_cost(prompt, popular, 0)  # most replicas, often
         costs = [
             load
@@ -174,6 +184,12 @@ class CacheAware(IndexedPolicy):
             return matched
         held = max(matched.get(home.replica_id, 0), self._limit(request))
         return {**matched, home.replica_id: held}
+
+    def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
+        """Running ``adapter`` on ``replica``: nothing where a GPU slot holds it (or the
+        replica does not say), else a copy and maybe a wait for a slot."""
+        loaded = replica.loaded_adapters
+        return 0.0 if loaded is None or adapter in loaded else self.config.adapter_load_tokens
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
         """What ``replica``'s load (its queued prefill tokens and requests) does not

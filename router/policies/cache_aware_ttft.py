@@ -128,6 +128,9 @@ class CacheAwareTTFT(CacheAware):
     def _cold_slack(self) -> float:
         return self.config.cold_slack_tokens * self._token_s
 
+    def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
+        return super()._adapter_cost(adapter, replica) * self._token_s
+
     # ------------------------------------------- what the load does not say
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
