@@ -20,6 +20,7 @@ from deploy.flags import (
     config_overrides,
     engine_args,
 )
+from deploy.fleet import FLEET_HELP, fleet_engines, parse_entry
 from deploy.replicas import EngineSpec, ReplicaStartError
 from deploy.serving import serve_http
 from loadtest.bench_cli import add_bench_parser
@@ -68,6 +69,9 @@ def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EngineSpec, 
     user set (the rest follow what the engine says of itself)."""
     gateway = config_from_args(GatewayConfig, args)
     keep = frozenset(_names(config_overrides(args, GatewayConfig)))
+    if getattr(args, "fleet", None) and "model" not in keep:  # the first entry's, by default
+        gateway = replace(gateway, model=parse_entry(args.fleet[0]).model)
+        keep |= {"model"}
     if args.engine == "vllm":
         if Path(gateway.model).is_dir():  # a folder: the same for every process, wherever run
             gateway = replace(gateway, model=str(Path(gateway.model).resolve()))
@@ -126,6 +130,7 @@ def add_cluster_parsers(commands: Any) -> None:
     )
     up.add_argument("--address", default="auto", help=ADDRESS_HELP)
     up.add_argument("--replicas", type=int, default=4)
+    up.add_argument("--fleet", action="append", default=[], metavar="MODEL=N", help=FLEET_HELP)
     up.add_argument("--gateways", type=int, default=1, help="one per node (default: 1)")
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
     up.add_argument("--port", type=int, default=8000, help="the gateways' port")
@@ -145,9 +150,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     gateway, engine, keep = fleet_configs(args)
     cluster.connect(args.address)
-    gateways, replicas = cluster.up(
-        args.replicas, engine, gateway, args.host, args.port, args.gateways, keep
-    )
+    engines = fleet_engines(args.fleet, args.replicas, engine)
+    gateways, replicas = cluster.up(engines, gateway, args.host, args.port, args.gateways, keep)
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
     for url in gateways:
         print(f"gateway: {url}/v1")
@@ -186,6 +190,7 @@ def add_serve_parser(commands: Any) -> None:
         description="Start a local Ray, N replica actors and the gateway; Ctrl-C stops all.",
     )
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--fleet", action="append", default=[], metavar="MODEL=N", help=FLEET_HELP)
     parser.add_argument(
         "--gateways",
         type=int,
@@ -204,8 +209,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from deploy.local import serve
 
     gateway, engine, keep = fleet_configs(args)
-    serve(args.replicas, engine, gateway, args.host, args.port, args.gateways,
-          args.separate_ports, keep)  # fmt: skip
+    serve(fleet_engines(args.fleet, args.replicas, engine), gateway, args.host, args.port,
+          args.gateways, args.separate_ports, keep)  # fmt: skip
     return 0
 
 

@@ -13,7 +13,7 @@ gateways follow the replica actors by name, so they see every change.
 from __future__ import annotations
 
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 import httpx
@@ -103,19 +103,21 @@ def nodes_head_first() -> list[str]:
 
 
 def up(
-    replicas: int,
-    engine: EngineSpec,
+    engines: Sequence[EngineSpec],
     gateway: GatewayConfig,
     host: str | None = None,
     port: int = 8000,
     gateways: int = 1,
     keep: Collection[str] = (),
 ) -> tuple[list[str], list[str]]:
-    """Scale to ``replicas`` replica actors and ``gateways`` gateways, one per node; the
-    gateways' fields named in ``keep`` (the user's flags) are not taken from the engine.
+    """Scale to a replica actor per engine of ``engines`` (they may serve several models:
+    deploy/fleet.py) and ``gateways`` gateways, one per node; the gateways' fields named
+    in ``keep`` (the user's flags) are not taken from the engine. A replica kept from an
+    earlier ``up`` keeps its engine.
 
     Returns the gateways' URLs and the replicas'. Requires :func:`connect`.
     """
+    replicas = len(engines)
     if replicas < 1:
         raise ValueError("up needs at least one replica")
     nodes = nodes_head_first()
@@ -127,15 +129,15 @@ def up(
     for name in replica_names():
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
-    actor = replica_actor(engine)
     handles = [
-        actor.options(
+        replica_actor(engine).options(
             name=name, lifetime="detached", get_if_exists=True,
             **placement(engine, index, replicas, nodes),
         ).remote(engine, host)
-        for index, name in enumerate(wanted)
+        for index, (name, engine) in enumerate(zip(wanted, engines, strict=True))
     ]  # fmt: skip
-    cards = ready_cards(handles, timeout_s=getattr(engine, "startup_timeout_s", 120.0))
+    timeout_s = max(getattr(engine, "startup_timeout_s", 120.0) for engine in engines)
+    cards = ready_cards(handles, timeout_s=timeout_s)
     fronts, _ = start_gateways(
         gateway.configured_by(cards[0], keep), host, [port] * gateways, nodes[:gateways],
         detached=True, backends=replicas,

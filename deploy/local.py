@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,8 +44,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
 
 
 def serve(
-    replicas: int,
-    engine: EngineSpec,
+    engines: Sequence[EngineSpec],
     gateway: GatewayConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -53,8 +52,10 @@ def serve(
     separate_ports: bool = False,
     keep: Collection[str] = (),
 ) -> None:
-    """Run until interrupted; everything started here is stopped on the way out. The
+    """Run until interrupted, a replica per engine of ``engines`` (they may serve several
+    models: deploy/fleet.py); everything started here is stopped on the way out. The
     gateway's fields named in ``keep`` (the user's flags) are not taken from the engine."""
+    replicas = len(engines)
     if replicas < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
     # The port first: a busy one fails at once, and Ray's processes cannot take it.
@@ -63,16 +64,17 @@ def serve(
     handles: list[Any] = []
     gateway_actors: list[Any] = []
     try:
-        actor = replica_actor(engine)
         handles = [
-            actor.options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0).remote(
-                on_one_machine(engine, i, replicas), host
-            )
-            for i in range(replicas)
+            replica_actor(engine)
+            .options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0)
+            .remote(on_one_machine(engine, i, replicas), host)
+            for i, engine in enumerate(engines)
         ]
         cards = ready_cards(handles)
-        print(f"{replicas} replicas: {', '.join(c.url for c in cards)} ({describe(cards[0])})",
-              flush=True)  # fmt: skip
+        for model in dict.fromkeys(card.model for card in cards):  # in order, each once
+            group = [card for card in cards if card.model == model]
+            print(f"{len(group)} replicas: {', '.join(c.url for c in group)} "
+                  f"({describe(group[0])})", flush=True)  # fmt: skip
         gateway = gateway.configured_by(cards[0], keep)
         if gateways == 1:
             print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
@@ -105,7 +107,9 @@ def on_one_machine(engine: EngineSpec, index: int, replicas: int) -> EngineSpec:
 def describe(card: EngineCard) -> str:
     """One replica's engine in a few words, for the start-up lines."""
     blocks = f"{card.num_blocks} blocks" if card.num_blocks else "its blocks"
-    return f"{card.engine} engine serving {card.model}, {blocks} of {card.block_size} tokens"
+    adapters = f" and adapters {', '.join(card.adapters)}" if card.adapters else ""
+    return (f"{card.engine} engine serving {card.model}{adapters}, {blocks} of "
+            f"{card.block_size} tokens")  # fmt: skip
 
 
 def _wait_for_a_signal() -> None:

@@ -210,9 +210,10 @@ def test_replicas_and_two_gateways_spread_over_the_nodes_of_a_two_node_cluster()
         two_nodes.wait_for_nodes()
         ray.init(address=two_nodes.address, namespace=NAMESPACE, log_to_driver=False)
         with pytest.raises(ValueError, match="one gateway per node, and the cluster has 2"):
-            cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), gateways=3)
+            cluster.up([ReplicaConfig(speedup=20)] * 2, GatewayConfig(), gateways=3)
         port = free_port()
-        urls, _ = cluster.up(2, ReplicaConfig(speedup=20), GatewayConfig(), port=port, gateways=2)
+        two = [ReplicaConfig(speedup=20)] * 2
+        urls, _ = cluster.up(two, GatewayConfig(), port=port, gateways=2)
         gateways, replicas = cluster.status()
         assert len({row.node_id for row in replicas}) == 2, replicas
         assert len({row.node_id for row in gateways}) == 2, gateways

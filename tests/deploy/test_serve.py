@@ -113,3 +113,26 @@ def test_serve_with_two_gateways_shares_one_port_between_two_processes():
             cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             both_indexed(url)  # whichever gateway the next request reaches knows the cache
         assert len(replicas) == 1 and min(cached[1:]) > 200  # every turn found the prefix
+
+
+def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
+    fleet = ("--fleet", "llama=2:sql", "--fleet", "qwen=1", "--gateways", "2")
+    with serving(*fleet) as (url, _):
+        wait_for(lambda: len(httpx.get(url + "/stats").json()["backends"]) == 3, timeout_s=30)
+        serves = {"llama": {"replica-0", "replica-1"}, "sql": {"replica-0", "replica-1"},
+                  "qwen": {"replica-2"}}  # fmt: skip
+        models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert models == ["llama", "qwen", "sql"]
+        gateways = set()
+        for turn in range(10):
+            for model, replicas in serves.items():
+                body = {"model": model, "prompt": f"A {model} fleet. " * 40 + str(turn),
+                        "max_tokens": 2}  # fmt: skip
+                reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert reply.status_code == 200, reply.text
+                assert reply.headers["x-prefix-router-replica"] in replicas
+                assert reply.json()["model"] == model
+            gateways.add(httpx.get(url + "/stats").json()["pid"])
+        assert len(gateways) == 2  # both gateways answered
+        missing = httpx.post(url + "/v1/completions", json={"model": "geo", "prompt": "hi"})
+        assert missing.status_code == 404

@@ -1,0 +1,68 @@
+"""A fleet of several models: ``--fleet MODEL=N[:ADAPTER,ADAPTER...]``, repeatable.
+
+``serve`` and ``up`` start N replicas of each entry, in order (``replica-0`` ...):
+each serves its model and, for the simulated engine, those LoRA adapters (vLLM's
+take ``--engine-arg='--enable-lora --lora-modules NAME=PATH'``). Without ``--fleet``,
+``--replicas`` replicas serve ``--model``. The gateway in front routes each request
+among the replicas of its model (``router/models.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from deploy.replicas import EngineSpec
+from replica.vllm_server import VLLMConfig
+
+FLEET_HELP = (
+    "repeatable: N replicas serving MODEL (and, on the simulated engine, these LoRA "
+    "adapters), in place of --replicas and --model: --fleet llama=2:sql,chat --fleet qwen=2"
+)
+
+
+@dataclass(frozen=True)
+class FleetEntry:
+    model: str
+    replicas: int
+    adapters: tuple[str, ...] = ()
+
+
+def parse_entry(text: str) -> FleetEntry:
+    """``MODEL=N`` or ``MODEL=N:ADAPTER,ADAPTER``; raises ``ValueError`` saying which."""
+    model, sep, rest = text.rpartition("=")
+    count, _, adapters = rest.partition(":")
+    if not sep or not model or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--fleet {text!r}: expected MODEL=N (N at least 1) or "
+                         "MODEL=N:ADAPTER,ADAPTER")  # fmt: skip
+    names = tuple(name for name in adapters.split(",") if name)
+    if model in names:
+        raise ValueError(f"--fleet {text!r}: an adapter may not be named as its model")
+    return FleetEntry(model, int(count), names)
+
+
+def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> list[EngineSpec]:
+    """One engine per replica: ``replicas`` copies of ``engine`` without ``--fleet``,
+    else each entry's count of ``engine`` serving its model (and adapters)."""
+    if not entries:
+        return [engine] * replicas
+    fleet = [parse_entry(text) for text in entries]
+    names = [name for entry in fleet for name in (entry.model, *entry.adapters)]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--fleet: every model and adapter needs a name of its own, got "
+                         f"{', '.join(names)}")  # fmt: skip
+    engines: list[EngineSpec] = []
+    for entry in fleet:
+        engines += [_serving(engine, entry)] * entry.replicas
+    return engines
+
+
+def _serving(engine: EngineSpec, entry: FleetEntry) -> EngineSpec:
+    if isinstance(engine, VLLMConfig):
+        if entry.adapters:
+            raise ValueError(f"--fleet {entry.model}: vLLM's adapters need their weights: "
+                             "--engine-arg='--enable-lora --lora-modules NAME=PATH'")  # fmt: skip
+        folder = Path(entry.model)  # the same for every process, wherever it runs
+        return replace(engine, model=str(folder.resolve()) if folder.is_dir() else entry.model)
+    return replace(engine, model=entry.model, lora_modules=",".join(entry.adapters))

@@ -1,0 +1,41 @@
+"""``--fleet MODEL=N[:ADAPTERS]``: one engine per replica, or a clear error."""
+
+import pytest
+
+from deploy.fleet import fleet_engines
+from replica.api.config import ReplicaConfig
+from replica.vllm_server import VLLMConfig
+from tests.shared import prefix_router
+
+
+def test_each_entry_gives_its_replicas_its_model_and_adapters():
+    engines = fleet_engines(["llama=2:sql,chat", "qwen=1"], 4, ReplicaConfig(speedup=5))
+    assert [(e.model, e.lora_modules) for e in engines] == [
+        ("llama", "sql,chat"), ("llama", "sql,chat"), ("qwen", ""),
+    ]  # fmt: skip
+    assert {e.speedup for e in engines} == {5}
+    assert fleet_engines([], 3, ReplicaConfig()) == [ReplicaConfig()] * 3
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        (["llama"], "expected MODEL=N"),
+        (["llama=0"], "N at least 1"),
+        (["llama=2:llama"], "an adapter may not be named as its model"),
+        (["llama=1:sql", "qwen=1:sql"], "every model and adapter needs a name of its own"),
+    ],
+)
+def test_a_bad_entry_is_refused_naming_it(entries, says):
+    with pytest.raises(ValueError, match=says):
+        fleet_engines(entries, 1, ReplicaConfig())
+
+
+def test_vllm_adapters_need_their_weights():
+    with pytest.raises(ValueError, match="--enable-lora --lora-modules NAME=PATH"):
+        fleet_engines(["m=1:sql"], 1, VLLMConfig("m"))
+
+
+def test_serve_refuses_a_bad_fleet_before_starting_anything():
+    done = prefix_router("serve", "--fleet", "llama=two")
+    assert done.returncode == 2 and "--fleet 'llama=two': expected MODEL=N" in done.stderr
