@@ -7,6 +7,11 @@ schedule their session's next turn). It drives the very ``Engine`` and ``Policy`
 objects the live system uses, never sleeps, and gives the same figures for the
 same seed.
 
+A fleet may serve several models (``ReplayConfig.fleet``), each replica one, with the
+LoRA adapters the workload asks for on it: every router then routes each request
+among its model's replicas with that model's policy (``router/models.py``), as a
+gateway does.
+
 With ``routers`` G > 1 the requests are spread at random over G routers, each with
 its own policy, index and load view, as G gateways are: each sees the engines' KV
 events and their load reports (one after every engine step, as a replica publishes
@@ -21,7 +26,7 @@ import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import numpy as np
 
@@ -32,7 +37,8 @@ from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
-from router.policies import Policy, PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.models import ModelRoutes, ServedName
+from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,15 @@ class ReplayConfig:
     #: Whether each request carries its session's key, as a client sending
     #: ``x-session-id`` does.
     session_keys: bool = False
+    #: Several models: ``MODEL=N,MODEL=N`` (replicas of each, in order; they sum to
+    #: ``replicas``); empty: every replica serves ``model``. Each serves the LoRA
+    #: adapters the workload asks for on its model, ``max_loras`` of them at once.
+    fleet: str = ""
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
+        if self.fleet:
+            object.__setattr__(self, "replicas", len(self.replica_models))
         if self.replicas < 1:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
         if self.routers < 1 or self.event_delay_s < 0:
@@ -77,6 +90,19 @@ class ReplayConfig:
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
         object.__setattr__(self, "routing", engines)
         self.engine_config()  # checks the replicas' shape
+
+    @property
+    def replica_models(self) -> list[str]:
+        """The model each replica serves."""
+        if not self.fleet:
+            return [self.model] * self.replicas
+        models = []
+        for entry in self.fleet.split(","):
+            model, _, count = entry.rpartition("=")
+            if not model or not count.isdigit() or int(count) < 1:
+                raise ValueError(f"fleet {self.fleet!r}: expected MODEL=N,MODEL=N (N at least 1)")
+            models += [model] * int(count)
+        return models
 
     @property
     def block_size(self) -> int:
@@ -97,9 +123,13 @@ class ReplayConfig:
             host_link=self.host_link,
         )
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, model: str = "", adapters: tuple[str, ...] = ()) -> EngineConfig:
+        """A replica's engine (serving ``model`` and ``adapters``, if given)."""
         engine = EngineConfig.for_replica(self.replica_config())
-        return replace(engine, compute_scale=self.compute_scale)
+        return replace(
+            engine, model=model or engine.model, lora_modules=adapters,
+            max_loras=self.max_loras, compute_scale=self.compute_scale,
+        )  # fmt: skip
 
     def resolved(self) -> ReplayConfig:
         """This fleet with its capacities made concrete."""
@@ -140,6 +170,9 @@ class RequestRecord:
     error: str | None = None
     shared_prefix_tokens: int = 0
     predicted_cached_tokens: int | None = None
+    #: The model it asked for (``None``: the fleet's one model) and its adapter.
+    model: str | None = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -175,16 +208,23 @@ class Simulation:
         self.workload = workload
         self.config = config = config.resolved()
         self.now = 0.0
-        self.engines = [Engine(config.engine_config()) for _ in range(config.replicas)]
+        adapters = _adapters_by_model(workload)
+        self.engines = [
+            Engine(config.engine_config(model, tuple(sorted(adapters.get(model, ())))))
+            for model in config.replica_models
+        ]
+        #: Whether the routers are told which adapters each engine holds in its slots.
+        self._adapters = any(adapters.values())
         self.routers = [self._router(policy, g) for g in range(config.routers)]
-        self.policy, self.replicas = self.routers[0]  # the only one, by default
+        self.routes, self.replicas = self.routers[0]  # the only one, by default
+        self.policy = self.routes.policy()
         for _, states in self.routers:
             for state, engine in zip(states, self.engines, strict=True):
                 state.free_blocks = engine.free_blocks
         self._pick_router = np.random.default_rng([config.seed, 1])
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
-        self._seed = _tenant_seeds(config.model)
+        self._seeds = lru_cache(maxsize=None)(identity_seed)  # (name, salt): a bounded set
         self._stride_tokens = config.routing.stride_tokens
         #: What a request spends outside the engine, as its client sees it: added to its
         #: first token and its end (the engines are not told: admitting every request
@@ -204,18 +244,29 @@ class Simulation:
         #: Events and load reports on their way to the routers: time, order, engine, what.
         self._deliveries: list[tuple[float, int, int, object]] = []
 
-    def _router(self, policy: str, index: int) -> tuple[Policy, list[ReplicaState]]:
-        """One router: its policy (seeded apart from the others) and its replica states."""
+    def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
+        """One router: its policies (one per model, seeded apart from the other
+        routers') and its replica states."""
         config = self.config
         rng = np.random.default_rng(config.seed if index == 0 else [config.seed, 0, index])
-        made = make_policy(policy, lambda: self.now, rng, config.routing)
+        routes = ModelRoutes(
+            lambda model: make_policy(
+                policy, lambda: self.now, rng, replace(config.routing, model=model)
+            ),
+            config.model if not config.fleet else config.replica_models[0],
+        )
         states = [
-            ReplicaState(f"replica-{i}", config.capacity_blocks or 0)
-            for i in range(config.replicas)
+            ReplicaState(
+                f"replica-{i}",
+                config.capacity_blocks or 0,
+                model=engine.config.model,
+                adapters=frozenset(engine.config.lora_modules),
+            )
+            for i, engine in enumerate(self.engines)
         ]
         for state in states:
-            made.on_replica_added(state)
-        return made, states
+            routes.added(state)
+        return routes, states
 
     # ------------------------------------------------------------------ running
 
@@ -267,21 +318,28 @@ class Simulation:
         request_id = f"{session.session_id}/{turn_index}"
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        stride_hashes = prefix_keys(prompt, self._stride_tokens, self._seed(session.cache_salt))
-        key = session.session_id if self.config.session_keys else None
-        routing = RoutingRequest(request_id, len(prompt), stride_hashes, session=key)
         router = int(self._pick_router.integers(len(self.routers))) if len(self.routers) > 1 else 0
-        policy, replicas = self.routers[router]
-        replica = policy.choose(routing, replicas)
+        routes, replicas = self.routers[router]
+        served = ServedName(session.model or routes.default_model, session.adapter)
+        seed = self._seeds(served.name, session.cache_salt)
+        stride_hashes = prefix_keys(prompt, self._stride_tokens, seed)
+        key = session.session_id if self.config.session_keys else None
+        routing = RoutingRequest(request_id, len(prompt), stride_hashes, session=key,
+                                 model=served.model, adapter=served.adapter)  # fmt: skip
+        policy = routes.policy(served.model)
+        candidates = routes.serving(served, replicas) if self.config.fleet else replicas
+        replica = policy.choose(routing, candidates)
         index = replicas.index(replica)
         record = RequestRecord(request_id, session_index, turn_index, index, self.now, len(prompt))
         record.shared_prefix_tokens = session.shared_prefix_tokens
         record.predicted_cached_tokens = routing.predicted_cached_tokens
+        record.model, record.adapter = session.model, session.adapter
         self.records[request_id] = record
         try:
             request = EngineRequest(
-                request_id, prompt, turn.max_tokens, ignore_eos=True, cache_salt=session.cache_salt
-            )
+                request_id, prompt, turn.max_tokens, ignore_eos=True,
+                cache_salt=session.cache_salt, lora=session.adapter,
+            )  # fmt: skip
             self.engines[index].add_request(request)
         except ValueError as error:
             record.error = str(error)
@@ -335,7 +393,8 @@ class Simulation:
         for output in result.outputs:
             record = self.records[output.request_id]
             session_index, turn_index, routing, router = self._in_flight[output.request_id]
-            policy, replica = self.routers[router][0], self.routers[router][1][index]
+            routes, replica = self.routers[router][0], self.routers[router][1][index]
+            policy = routes.policy(routing.model)
             if record.first_token_s is None:
                 record.first_token_s = self.now + self._request_s
                 load.prefilled(routing, replica)
@@ -352,10 +411,16 @@ class Simulation:
             report = LoadReport(
                 engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
                 ts=self.now, free_blocks=engine.free_blocks,
+                adapters=engine.adapters.resident if self._adapters else None,
+                free_adapter_slots=engine.adapters.free_slots if self._adapters else None,
             )  # fmt: skip
             self._send(index, report)
         else:  # one router counts its own load; the engine's free blocks it is told at once
-            self.routers[0][1][index].free_blocks = self.engines[index].free_blocks
+            state, engine = self.routers[0][1][index], self.engines[index]
+            state.free_blocks = engine.free_blocks
+            if self._adapters:
+                state.loaded_adapters = engine.adapters.resident
+                state.free_adapter_slots = engine.adapters.free_slots
         self._step(index)
 
     def _finish(self, session_index: int, turn_index: int) -> None:
@@ -376,11 +441,10 @@ class Simulation:
 
     def _shared_prefix_hashes(self) -> set[int]:
         """Identities of every session's shared prefix (its system prompt) blocks."""
-        seed = identity_seed(self.config.model)
         hashes: set[int] = set()
-        seen_apps: set[tuple[int, int]] = set()
+        seen_apps: set[tuple[int, int, str | None]] = set()
         for session in self.workload.sessions:
-            key = (session.app, session.shared_prefix_tokens)
+            key = (session.app, session.shared_prefix_tokens, session.served_name)
             if (
                 key in seen_apps
                 or not session.shared_prefix_tokens
@@ -389,6 +453,7 @@ class Simulation:
                 continue
             seen_apps.add(key)
             prompt = session.turns[0].prompt_token_ids[: session.shared_prefix_tokens]
+            seed = identity_seed(session.served_name or self.config.model)
             hashes.update(block_hashes(prompt, self.config.block_size, seed))
         return hashes
 
@@ -415,17 +480,20 @@ class Simulation:
         heapq.heappush(self._deliveries, delivery)
 
     def _deliver(self, index: int, payload: object) -> None:
-        for policy, states in self.routers:
+        for routes, states in self.routers:
             if isinstance(payload, LoadReport):
                 load.reported(states[index], payload)
             else:
-                policy.on_kv_events(states[index], payload)  # type: ignore[arg-type]
+                routes.events(states[index], payload)  # type: ignore[arg-type]
 
 
-def _tenant_seeds(model: str) -> Callable[[str | None], int]:
-    """Identity seeds by tenant (cache salt), each hashed once: a replay's tenants are
-    the workload's, a bounded set (the gateway, facing clients, keeps no such cache)."""
-    return lru_cache(maxsize=None)(partial(identity_seed, model))
+def _adapters_by_model(workload: Workload) -> dict[str, set[str]]:
+    """The LoRA adapters the workload asks for, by the model they sit on."""
+    adapters: dict[str, set[str]] = {}
+    for session in workload.sessions:
+        if session.model is not None and session.adapter is not None:
+            adapters.setdefault(session.model, set()).add(session.adapter)
+    return adapters
 
 
 def replay(
@@ -450,7 +518,7 @@ class Bound:
 
 def infinite_cache_bound(workload: Workload, result: ReplayResult) -> Bound:
     block_size = result.config.block_size
-    seed = _tenant_seeds(result.config.model)
+    seeds = lru_cache(maxsize=None)(identity_seed)  # by (name, salt): a replay's are few
     seen: set[int] = set()
     prompt_tokens = cached_tokens = query_blocks = hit_blocks = 0
     for record in sorted(result.records, key=lambda r: r.arrival_s):
@@ -458,7 +526,8 @@ def infinite_cache_bound(workload: Workload, result: ReplayResult) -> Bound:
         turn = session.turns[record.turn]
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
-        hashes = block_hashes(prompt, block_size, seed(session.cache_salt))
+        name = session.served_name or result.config.model
+        hashes = block_hashes(prompt, block_size, seeds(name, session.cache_salt))
         limit = (len(prompt) - 1) // block_size  # an engine computes the last token
         hits = next((i for i, h in enumerate(hashes[:limit]) if h not in seen), limit)
         seen.update(hashes)

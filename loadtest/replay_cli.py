@@ -24,9 +24,11 @@ from deploy.flags import add_config_flags, config_overrides, with_overrides
 from loadtest import plots
 from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
+    MODEL_KEYS,
     Row,
     command_line,
     format_table,
+    model_rows,
     reference_row,
     replay_row,
     ttft_values,
@@ -201,10 +203,13 @@ def run_replay(args: argparse.Namespace) -> int:
                     row[sweep_key] = getattr(config, sweep_key)
                 rows.append(row)
                 ttfts[job.label] = values
-        if not args.no_reference:
-            rows += _reference_rows(config, fleet, sweep_key)
-        _relate_to_bound(rows[-len(policies) - (0 if args.no_reference else 2) :])
+        references = [] if args.no_reference else _reference_rows(config, fleet, sweep_key)
+        rows += references
+        _relate_to_bound(rows[-len(policies) - len(references) :])
     print(format_table(rows, TABLE_KEYS))
+    if any(row.get("models") for row in rows):
+        print("\nper model (or adapter) named:")
+        print(format_table(model_rows(rows), MODEL_KEYS))
     meta = {"seed": configs[0].seed, "command": command_line(), "version": version()}
     if args.json:
         write_json(args.json, rows, meta)
@@ -246,7 +251,7 @@ def _jobs(
         _Job(config, config, policy, policy + suffix, keep_records=index == 0)
         for index, policy in enumerate(policies)
     ]
-    if not args.no_reference and config.replicas > 1:
+    if not args.no_reference and config.replicas > 1 and not config.fleet:  # one engine, one model
         label = f"single_engine_{config.replicas}x" + suffix
         jobs.append(_Job(config, config.pooled(), "round_robin", label, reference=True))
     return jobs

@@ -75,7 +75,50 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "shared_prefix_hit_rate": _shared_prefix_hit_rate(done, result.config.block_size),
         "requests_per_replica": [int(n) for n in dispatched],
         "duration_s": result.duration_s,
+        **adapter_figures(result),
+        "models": model_figures(done),
     }
+
+
+def adapter_figures(result: ReplayResult) -> Row:
+    """LoRA adapters copied into GPU slots, in all and per minute of the run."""
+    loads = sum(engine.adapters.loads for engine in result.engines)
+    minutes = result.duration_s / 60
+    return {"adapter_loads": loads, "adapter_loads_per_min": loads / minutes if minutes else None}
+
+
+def model_figures(done: Sequence[RequestRecord]) -> dict[str, Row]:
+    """Per model asked for, its adapters' requests together apart from its own:
+    requests, token hit rate and TTFT (``{}`` where no request named a model)."""
+    by_model: dict[str, list[RequestRecord]] = {}
+    for record in done:
+        if record.model is not None:
+            key = f"{record.model} adapters" if record.adapter else record.model
+            by_model.setdefault(key, []).append(record)
+    figures = {}
+    for name in sorted(by_model):
+        records = by_model[name]
+        prompt = sum(r.prompt_tokens for r in records)
+        ttfts = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
+        figures[name] = {
+            "requests": len(records),
+            "token_hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else None,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+        }
+    return figures
+
+
+MODEL_KEYS = ("label", "model", "requests", "token_hit_rate", "ttft_p50_s", "ttft_p99_s")
+
+
+def model_rows(rows: Sequence[Row]) -> list[Row]:
+    """One row per (run, model named), for the per-model table."""
+    return [
+        {"label": row["label"], "model": name, **figures}
+        for row in rows
+        for name, figures in (row.get("models") or {}).items()
+    ]
 
 
 def tier_figures(

@@ -56,6 +56,14 @@ class Session:
     shared_prefix_tokens: int = 0
     #: The tenant's cache salt: its blocks never share an identity with another tenant's.
     cache_salt: str | None = None
+    #: The model it asks for (``None``: the fleet's only one) and the LoRA adapter on it.
+    model: str | None = None
+    adapter: str | None = None
+
+    @property
+    def served_name(self) -> str | None:
+        """What its requests name as ``model``: the adapter, else the model."""
+        return self.adapter or self.model
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,14 @@ class ChatConfig:
     session_rate: float = 2.0
     #: Concurrent users (closed arrival).
     num_users: int = 32
+    #: A fleet of several models: the models sessions ask for, comma-separated, spread
+    #: evenly (empty: the fleet's one model, named by no request); on the first of them,
+    #: ``adapters`` LoRA adapters (``MODEL-lora-K``), asked for by ``adapter_share`` of
+    #: its sessions with Zipf popularity of exponent ``adapter_skew``.
+    models: str = ""
+    adapters: int = 0
+    adapter_share: float = 0.75
+    adapter_skew: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +137,19 @@ class ChatConfig:
             raise ValueError("mean_turns and max_turns must be at least 1")
         if self.session_rate <= 0 or self.think_time_s < 0:
             raise ValueError("session_rate must be positive and think_time_s not negative")
+        if self.adapters < 0 or not 0 <= self.adapter_share <= 1:
+            raise ValueError("adapters must not be negative and adapter_share lie in [0, 1]")
+        if self.adapters and not self.model_names:
+            raise ValueError("adapters need a model to sit on: give models")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(name for name in self.models.split(",") if name)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        base = self.model_names[0] if self.model_names else ""
+        return tuple(f"{base}-lora-{k}" for k in range(self.adapters))
 
 
 _WORDS = tuple(f"{a}{v}{b} " for a in "bdfgklmnprstvz" for v in "aeiou" for b in "lmnrst")
@@ -150,7 +179,25 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
         _chat_session(rng, config, tokenizer, index, int(app), apps[app], float(start))
         for index, (app, start) in enumerate(zip(app_of_session, starts, strict=True))
     )
+    if config.model_names:
+        sessions = _with_models(sessions, config)
     return Workload("chat", sessions, config.arrival, config.num_users)
+
+
+def _with_models(sessions: tuple[Session, ...], config: ChatConfig) -> tuple[Session, ...]:
+    """Each session's model (evenly, in turn) and, on the first model, its adapter,
+    drawn apart from the prompts (a fleet of one model replays the same prompts)."""
+    rng = np.random.default_rng([config.seed, 7])
+    models, adapters = config.model_names, config.adapter_names
+    popularity = 1.0 / np.arange(1, len(adapters) + 1) ** config.adapter_skew
+    named = []
+    for index, session in enumerate(sessions):
+        model = models[index % len(models)]
+        adapter = None
+        if adapters and model == models[0] and rng.random() < config.adapter_share:
+            adapter = adapters[int(rng.choice(len(adapters), p=popularity / popularity.sum()))]
+        named.append(replace(session, model=model, adapter=adapter))
+    return tuple(named)
 
 
 def _app_prefix(rng: np.random.Generator, config: ChatConfig, app: int) -> tuple[Message, ...]:

@@ -56,6 +56,13 @@ class AdapterSlots:
         """Adapters in GPU slots, the least recently used first."""
         return tuple(self._resident)
 
+    @property
+    def free_slots(self) -> int:
+        """Slots an adapter not resident could take now: empty, or holding an adapter
+        that no running request uses."""
+        idle = sum(not self._running[name] for name in self._resident)
+        return self.max_loras - len(self._resident) + idle
+
     def can_run(self, name: str | None) -> bool:
         """Whether a request under ``name`` can join the batch now: base-model requests
         always can; an adapter needs its slot, a free one, or one whose adapter no

@@ -175,6 +175,7 @@ class Replica:
         return LoadReport(
             engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
             free_blocks=engine.free_blocks, adapters=engine.adapters.resident,
+            free_adapter_slots=engine.adapters.free_slots,
         )  # fmt: skip
 
     def reset(self) -> bool:

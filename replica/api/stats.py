@@ -79,6 +79,8 @@ class LoadReport:
     #: LoRA adapters in its GPU slots, the least recently used first (``None``: not said):
     #: a request under another waits for a slot and the adapter's copy.
     adapters: tuple[str, ...] | None = None
+    #: Of its slots, those another adapter could take now (empty, or its adapter idle).
+    free_adapter_slots: int | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,12 @@ from router.policies.baselines import (
     rendezvous,
     rendezvous_key,
 )
-from router.policies.cache_aware import CacheAware, CacheAwareApproximate, CacheAwareTierBlind
+from router.policies.cache_aware import (
+    CacheAware,
+    CacheAwareAdapterBlind,
+    CacheAwareApproximate,
+    CacheAwareTierBlind,
+)
 from router.policies.cache_aware_ttft import CacheAwareTTFT
 from router.policies.sglang import SGLangCacheAware
 
@@ -49,6 +54,7 @@ POLICIES: dict[str, type[Policy]] = {
         SGLangCacheAware,
         CacheAware,
         CacheAwareTierBlind,
+        CacheAwareAdapterBlind,
         CacheAwareApproximate,
         CacheAwareTTFT,
     )

@@ -56,8 +56,10 @@ class ReplicaState:
     #: not said; see router/models.py).
     model: str | None = None
     adapters: frozenset[str] = frozenset()
-    #: The adapters in its GPU slots, as it last said (``None``: not said).
+    #: The adapters in its GPU slots, and how many slots another could take now, as it
+    #: last said (``None``: not said).
     loaded_adapters: tuple[str, ...] | None = None
+    free_adapter_slots: int | None = None
     #: Told after every change of the load above (``router/load.py`` calls it): the
     #: policy's ordering of the fleet by load.
     on_load_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
@@ -143,10 +145,14 @@ class PolicyConfig:
     load_bound: float = 1.5
     overflow_tokens: float = 2048.0
     #: cache_aware: what running a request's LoRA adapter costs where no GPU slot holds
-    #: it, in prefill tokens: the copy (1.7 ms for rank 16 on Llama-3-8B over PCIe 5,
-    #: about 75 tokens of an H100's prefill) and the chance that every slot is busy,
-    #: which holds the request until one frees. Only where the replica says its slots.
-    adapter_load_tokens: float = 256.0
+    #: it, in prefill tokens, where the replica says its slots: a copy into a free slot
+    #: (1.7 ms for rank 16 on Llama-3-8B over PCIe 5, about 75 tokens of an H100's
+    #: prefill), or, with every slot's adapter running, a wait until one's requests have
+    #: all finished: a few hundred decode steps, seconds (2.5 s is 100k tokens of an
+    #: H100's prefill), which outweighs moving any history. On the mixed workload of
+    #: docs/results.md, 8k, 32k and 128k gave its adapters a TTFT p99 of 5.9, 4.0, 2.5 s.
+    adapter_load_tokens: float = 128.0
+    adapter_wait_tokens: float = 131072.0
     #: cache_aware_ttft: the cost profile its seconds come from, a built-in name or a
     #: calibrated profile file (``prefix-router calibrate``); empty: the engines' (the
     #: replayer's ``--profile``; a gateway's: the simulated replica's default).

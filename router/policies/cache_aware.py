@@ -53,6 +53,8 @@ class CacheAware(IndexedPolicy):
     #: Whether a replica's cost depends on more than its load and what it holds, so
     #: that the fleet path (which orders replicas by load alone) cannot stand in.
     prices_every_replica: ClassVar[bool] = False
+    #: Whether it weighs where a request's LoRA adapter sits in GPU slots.
+    adapter_aware: ClassVar[bool] = True
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.popularity = PrefixPopularity()
@@ -65,10 +67,11 @@ class CacheAware(IndexedPolicy):
         popular = self._popular_tokens(request)
         priced = self._with_session(request, replicas, matched)
         whole_fleet = self.order and len(replicas) == len(self.order)
-        if whole_fleet and not self.prices_every_replica and request.adapter is None:
+        adapter = request.adapter if self.adapter_aware else None
+        if whole_fleet and not self.prices_every_replica and adapter is None:
             chosen = self._choose_in_fleet(request, priced, host, popular)
         else:  # replicas full, a retry, an adapter, or a variant's price: one by one
-            chosen = self._choose_by_scan(request, replicas, priced, host, popular)
+            chosen = self._choose_by_scan(request, replicas, priced, host, popular, adapter)
         # the engine reports host hits as cached
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
             chosen.replica_id, 0
@@ -114,6 +117,7 @@ class CacheAware(IndexedPolicy):
         matched: dict[str, int],
         host: dict[str, int],
         popular: int,
+        adapter: str | None = None,
     ) -> ReplicaState:
         """Every candidate priced: the reference that the fleet path must agree with."""
         load_of = self._load_function(sum(r.load_requests for r in replicas), len(replicas))
@@ -125,20 +129,20 @@ class CacheAware(IndexedPolicy):
                 self._unseen_by_load(r, prompt - h) for r, h in zip(replicas, held, strict=True)
             ]
             loads = [load + extra for load, extra in zip(loads, unseen, strict=True)]
-        if request.adapter is not None:
+        if adapter is not None:
             loads = [
-                load + self._adapter_cost(request.adapter, r)
+                load + self._adapter_cost(adapter, r)
                 for load, r in zip(loads, replicas, strict=True)
             ]
         if not host and not any(matched.values()):
             ceiling = min(loads) + self._cold_slack()
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
-            if request.adapter is None:
+            if adapter is None:
                 return rendezvous(rendezvous_key(request), near)
             # a cold prompt under an adapter goes where a slot holds it, else where the
             # adapter's other prompts go (all routers agree): it stays in few slots
-            holding = [r for r in near if not self._adapter_cost(request.adapter, r)]
-            return rendezvous(request.adapter.encode(), holding or near)
+            holding = [r for r in near if not self._adapter_cost(adapter, r)]
+            return rendezvous(adapter.encode(), holding or near)
         nothing_cached = self._recompute_cost(prompt, popular, 0)  # most replicas, often
         costs = [
             load
@@ -187,9 +191,13 @@ class CacheAware(IndexedPolicy):
 
     def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
         """Running ``adapter`` on ``replica``: nothing where a GPU slot holds it (or the
-        replica does not say), else a copy and maybe a wait for a slot."""
+        replica does not say), else its copy into a free slot, or a wait for one."""
         loaded = replica.loaded_adapters
-        return 0.0 if loaded is None or adapter in loaded else self.config.adapter_load_tokens
+        if loaded is None or adapter in loaded:
+            return 0.0
+        if replica.free_adapter_slots == 0:
+            return self.config.adapter_wait_tokens
+        return self.config.adapter_load_tokens
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
         """What ``replica``'s load (its queued prefill tokens and requests) does not
@@ -248,6 +256,15 @@ class CacheAwareTierBlind(CacheAware):
 
     name = "cache_aware_tier_blind"
     tier_aware = False
+
+
+class CacheAwareAdapterBlind(CacheAware):
+    """``cache_aware`` that does not know where adapters sit in GPU slots (it still
+    routes by model, and its identities are the adapters'): the baseline that shows
+    what weighing the slots buys."""
+
+    name = "cache_aware_adapter_blind"
+    adapter_aware = False
 
 
 class CacheAwareApproximate(CacheAware):
