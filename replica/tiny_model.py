@@ -239,3 +239,29 @@ def _bfloat16(array: np.ndarray) -> np.ndarray:
 
 def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------ an adapter
+
+
+def write_tiny_lora(folder: Path, model: Path, rank: int = 8, seed: int = 1) -> Path:
+    """A LoRA adapter of the tiny model in PEFT's format (``adapter_config.json`` and
+    ``adapter_model.safetensors``, on every attention projection), for vLLM's
+    ``--enable-lora --lora-modules NAME=FOLDER``: made here, nothing downloaded."""
+    config = TinyModelConfig(**json.loads((model / "prefix_router_tiny_model.json").read_text()))
+    rng = np.random.default_rng(seed)
+    hidden, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    outputs = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
+    tensors = {}
+    for layer in range(config.num_layers):
+        for name, width in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.02, (rank, hidden))
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.02, (width, rank))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+               "lora_dropout": 0.0, "bias": "none", "target_modules": list(outputs),
+               "base_model_name_or_path": str(model)}  # fmt: skip
+    _write_json(folder / "adapter_config.json", adapter)
+    return folder

@@ -1,7 +1,7 @@
 """The gateway in front of real vLLM servers (vLLM's CPU build serving the tiny model):
 precise routing from vLLM's own KV events, each mismatch found and routed around, an
-evicted prefix no longer predicted, and a late gateway learning vLLM's cache from its
-replay socket."""
+evicted prefix no longer predicted, a late gateway learning vLLM's cache from its
+replay socket, and a LoRA adapter's blocks, which vLLM salts with its name."""
 
 import contextlib
 import re
@@ -15,7 +15,14 @@ import pytest
 from deploy import processes
 from replica.api.cost_model import get_profile
 from replica.api.tokenizer import WORDS
-from tests.shared import prefix_router, vllm_backend, vllm_servers, wait_until_checked
+from replica.tiny_model import write_tiny_lora
+from tests.shared import (
+    VLLM_ARGS,
+    prefix_router,
+    vllm_backend,
+    vllm_servers,
+    wait_until_checked,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 SYLLABLES = [int(w).to_bytes(4, "little").decode() for w in WORDS]
@@ -28,8 +35,11 @@ def text(seed: int, words: int = 1500) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    with vllm_servers(tiny_model, 2) as started:
+def servers(tiny_model, tmp_path_factory):
+    """Two servers of the tiny model, with a LoRA adapter of it, ``sql``, made here."""
+    adapter = write_tiny_lora(tmp_path_factory.mktemp("sql"), tiny_model)
+    lora = ("--enable-lora", "--lora-modules", f"sql={adapter}", "--max-lora-rank", "8")
+    with vllm_servers(tiny_model, 2, VLLM_ARGS + lora) as started:
         yield started
 
 
@@ -61,7 +71,7 @@ def matching(model: Path, *more: str) -> tuple[str, ...]:
     return ("--model", str(model), "--tokenizer", str(model), "--block-size", "32", *more)
 
 
-def complete(url: str, model: Path, prompt: str) -> httpx.Response:
+def complete(url: str, model: Path | str, prompt: str) -> httpx.Response:
     body = {"model": str(model), "prompt": prompt, "max_tokens": 1}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -99,6 +109,30 @@ def test_a_prefix_warmed_on_one_server_is_routed_there_and_predicted_exactly(
         (stats,) = [httpx.get(f"{url}/stats").json()]
         counts = [c for b in stats["backends"] for c in b["by_policy"].values()]
         assert sum(c["exact_predictions"] for c in counts) == sum(c["predictions"] for c in counts)
+
+
+def test_an_adapters_blocks_are_keyed_by_its_name_and_predicted_exactly(
+    fresh, tiny_model, tmp_path
+):
+    """vLLM salts a LoRA request's block hashes with the adapter's name and says it in
+    ``BlockStored.lora_name``: the gateway keys those blocks as it hashes the adapter's
+    prompts, and routes the adapter only to servers that list it."""
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
+        wait_until_checked(url, 2)
+        listed = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [
+            (str(tiny_model), None), ("sql", str(tiny_model)),
+        ]  # fmt: skip
+        first = complete(url, "sql", text(6))
+        again = complete(url, "sql", text(6) + "bal")
+        base = complete(url, tiny_model, text(6) + "kes")  # the same text, no adapter
+        assert first.json()["model"] == "sql" and predicted(first) == cached(first) == 0
+        assert again.headers["x-prefix-router-replica"] == first.headers["x-prefix-router-replica"]
+        assert predicted(again) == cached(again) >= 1472
+        assert predicted(base) == cached(base) == 0  # the adapter's blocks are its own
+        models = httpx.get(f"{url}/stats").json()["models"]
+        assert models["sql"]["requests"] == 2 and models[str(tiny_model)]["requests"] == 1
 
 
 def test_a_gateway_that_hashes_blocks_of_16_is_told_vllms_are_32(fresh, tiny_model, tmp_path):
