@@ -19,9 +19,18 @@ from deploy.flags import (
     engine_args,
     shell_words,
 )
+from deploy.fleet import parse_entry
 from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
-from loadtest.report import Row, command_line, format_table, version, write_json
+from loadtest.report import (
+    MODEL_KEYS,
+    Row,
+    command_line,
+    format_table,
+    model_rows,
+    version,
+    write_json,
+)
 from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig
 from replica.api.card import ENGINES
@@ -95,6 +104,12 @@ def add_bench_parser(commands: Any) -> None:
         f"same replicas for its run and stopped after (same as {sglang.LABEL} in --policies)",
     )
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
+    parser.add_argument(
+        "--fleet", action="append", default=[], metavar="MODEL=N",
+        help="repeatable, the embedded deployment's models in place of --replicas: N "
+        "replicas of each; the chat workload's sessions ask for them (--chat-models), and "
+        "the first model's replicas serve its --chat-adapters",
+    )  # fmt: skip
     parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -152,7 +167,7 @@ def run_bench(args: argparse.Namespace) -> int:
         model=args.model,
         trace_limit=args.limit,
         workload=args.workload,
-        chat=config_overrides(args, ChatConfig, prefix="chat_"),
+        chat=_chat_overrides(args),
         seed=args.seed,
         users=args.users,
         run_time_s=args.run_time,
@@ -178,6 +193,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "replay": config.predict,
     }
     print(format_table(rows, TABLE_KEYS))
+    if any(row.get("models") for row in rows):
+        print("\nper model (or adapter) named:")
+        print(format_table(model_rows(rows), MODEL_KEYS))
     write_report(out, rows, meta, timelines)
     print(f"report: {out / 'report.md'}")
     return 0
@@ -193,11 +211,13 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
         yield urls, f"Ray cluster {args.address}, {_gateways_text(urls)}"
     else:
         flags = _serve_flags(args)
-        print(f"bench: starting {args.replicas} {args.engine} replicas, {args.gateways} "
+        count = sum(parse_entry(e).replicas for e in args.fleet) if args.fleet else args.replicas
+        print(f"bench: starting {count} {args.engine} replicas, {args.gateways} "
               "gateway(s)…", file=sys.stderr)  # fmt: skip
-        with bench.embedded(args.replicas, flags, args.gateways) as urls:
+        with bench.embedded(count, flags, args.gateways) as urls:
             engine = "" if args.engine == "sim" else f"{args.engine} "
-            replicas = f"{args.replicas} {engine}replicas"
+            models = f" ({', '.join(args.fleet)})" if args.fleet else ""
+            replicas = f"{count} {engine}replicas{models}"
             yield urls, f"embedded deployment, {replicas}, {_gateways_text(urls)}"
 
 
@@ -211,7 +231,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     """The embedded ``serve``'s flags: a vLLM fleet's model and flags, or the simulated
     replicas' (the user's, else the bench's sizes for its chat workload; traces get what
     the profile's hardware holds); then the user's own."""
-    more = list(shell_words(args.serve_arg))
+    more = [*_fleet_flags(args), *shell_words(args.serve_arg)]
     if args.engine == "vllm":
         if args.model == BenchConfig().model:
             raise ValueError("--engine vllm needs --model PATH, the model folder to serve")
@@ -222,6 +242,29 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
         overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)
         overrides.setdefault("host_blocks", bench.BENCH_HOST_BLOCKS)
     return [*config_flags(overrides, prefix="replica-"), *more]
+
+
+def _chat_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat workload's parameters; with ``--fleet``, its sessions ask for the
+    fleet's models unless ``--chat-models`` says otherwise."""
+    overrides = config_overrides(args, ChatConfig, prefix="chat_")
+    if args.fleet and args.workload == "chat":
+        overrides.setdefault("models", ",".join(parse_entry(e).model for e in args.fleet))
+    return overrides
+
+
+def _fleet_flags(args: argparse.Namespace) -> list[str]:
+    """``serve``'s ``--fleet`` flags, the first model serving the workload's adapters."""
+    if not args.fleet:
+        return []
+    entries = [parse_entry(text) for text in args.fleet]
+    chat = ChatConfig(**_chat_overrides(args)) if args.workload == "chat" else ChatConfig()
+    flags = []
+    for index, entry in enumerate(entries):
+        adapters = entry.adapters or (chat.adapter_names if index == 0 else ())
+        text = f"{entry.model}={entry.replicas}" + (f":{','.join(adapters)}" if adapters else "")
+        flags += ["--fleet", text]
+    return flags
 
 
 def write_report(

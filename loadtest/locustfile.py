@@ -214,7 +214,7 @@ class ChatSessionUser(HttpUser):
         for turn in session.turns:
             if turn.think_time_s and scale:
                 time.sleep(turn.think_time_s * scale)  # gevent-patched: yields to other users
-            self.send(turn, session.session_id)
+            self.send(turn, session)
         if SESSIONS.finish() and self.environment.runner is not None:
             # The whole workload is played: end the test now rather than at --run-time.
             # (a moment later, so the last request's figures reach Locust's statistics)
@@ -228,10 +228,11 @@ class ChatSessionUser(HttpUser):
             time.sleep(delay)
         TALLY.session_starts.append((due, time.monotonic() - TEST_START[0]))
 
-    def send(self, turn: Turn, session_id: str) -> None:
+    def send(self, turn: Turn, session: Session) -> None:
+        """One turn, naming the session's model or adapter (else ``--model``)."""
         options = self.environment.parsed_options
-        path, name, body = _request(turn, options.model)
-        headers = {SESSION_HEADER: session_id} if options.session_keys else None
+        path, name, body = _request(turn, session.served_name or options.model)
+        headers = {SESSION_HEADER: session.session_id} if options.session_keys else None
         sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
         with self.client.post(

@@ -14,6 +14,7 @@ from loadtest.bench.config import BenchConfig
 from loadtest.bench.locust_run import LocustRun
 from loadtest.bench.targets import Fleet, engine_figures, gateway_stats, replica_stats
 from loadtest.report import ROW_KEYS, Row, tier_figures
+from loadtest.workloads import ChatConfig
 from replica.api.figures import EngineFigures
 from replica.api.stats import ReplicaStats
 from router.latency import percentile
@@ -74,6 +75,7 @@ def live_row(
         prediction_accuracy=live_prediction_accuracy(before, after, policy),
         **prediction_shares(before, after, policy),
         requests_per_replica=per_replica,
+        models=_model_figures(before, after, _adapter_models(config)),
         requests_per_gateway=_requests_per_gateway(before, after),
         client_token_hit_rate=client.get("client_token_hit_rate"),
         client_prompt_tokens=client.get("prompt_tokens"),
@@ -203,3 +205,34 @@ def live_prediction_accuracy(before: Snapshot, after: Snapshot, policy: str) -> 
     (made_then, close_then), (made_now, close_now) = counts(before), counts(after)
     made = made_now - made_then
     return (close_now - close_then) / made if made > 0 else None
+
+
+def _adapter_models(config: BenchConfig) -> dict[str, str]:
+    """The chat workload's adapters, each with the model it sits on."""
+    if config.workload != "chat":
+        return {}
+    chat = ChatConfig(**config.chat_config())
+    return {adapter: chat.model_names[0] for adapter in chat.adapter_names}
+
+
+def _model_figures(
+    before: Snapshot, after: Snapshot, adapter_models: dict[str, str]
+) -> dict[str, Row]:
+    """Per model the gateways saw named during the run, a model's adapters together
+    (as the replay reports them): requests and the token hit rate the replicas
+    reported ({} where no request named a model)."""
+    totals: dict[str, Counter[str]] = {}
+    for snap, sign in ((after, 1), (before, -1)):
+        for gateway in snap.gateways:
+            for name, counts in gateway.models.items():
+                base = adapter_models.get(name)
+                total = totals.setdefault(f"{base} adapters" if base else name, Counter())
+                total["requests"] += sign * counts.requests
+                total["prompt"] += sign * counts.prompt_tokens
+                total["cached"] += sign * counts.cached_tokens
+    figures = {}
+    for name, t in sorted(totals.items()):
+        if t["requests"]:
+            rate = t["cached"] / t["prompt"] if t["prompt"] else None
+            figures[name] = {"requests": t["requests"], "token_hit_rate": rate}
+    return figures

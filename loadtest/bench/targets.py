@@ -105,6 +105,8 @@ class Fleet:
             host_link=first.host_link,
             routing=replace(routing, block_size=first.block_size),
             compute_scale=first.speedup,  # simulated time runs this much faster
+            fleet=_models_fleet([c.model for c in configs if c]),
+            max_loras=first.max_loras,
         )
 
     def _engines_twin(self, profile: str) -> ReplayConfig | None:
@@ -138,6 +140,12 @@ class Fleet:
 #: in vLLM 0.32): what the twin of a vLLM fleet schedules with.
 VLLM_CPU_MAX_NUM_SEQS = 128
 VLLM_CPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _models_fleet(models: list[str]) -> str:
+    """The replayer's ``fleet`` for replicas serving ``models`` ("" for one model)."""
+    counts = {model: models.count(model) for model in dict.fromkeys(models)}
+    return ",".join(f"{m}={n}" for m, n in counts.items()) if len(counts) > 1 else ""
 
 
 def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:
