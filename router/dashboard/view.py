@@ -30,6 +30,7 @@ from router.dashboard.history import (
 from router.gateway import Gateway
 from router.hot_prefixes import HotPrefix
 from router.latency import TTFT_BUCKETS
+from router.policies import ReplicaState
 from router.policies.indexed import IndexedPolicy
 from router.prefix_index import PrefixIndex
 from router.stats import BackendStats, GatewayStats, PolicyCounts
@@ -62,6 +63,25 @@ class ReplicaView:
     #: why approximately: what differs from the gateway, and the flag that fixes it.
     routing_mode: str = "checking"
     approximate_reason: str | None = None
+    #: The base model it serves, and the LoRA adapters in its GPU slots as it last
+    #: reported (``None``: it does not say).
+    model: str | None = None
+    loaded_adapters: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """A model or LoRA adapter the fleet serves, and the requests that named it."""
+
+    name: str
+    #: The base model an adapter runs on (``None``: a base model).
+    base: str | None
+    #: Replicas that serve it, and (an adapter) those holding it in a GPU slot now.
+    replicas: list[str]
+    loaded_on: list[str]
+    requests: int
+    errors: int
+    token_hit_rate: float | None
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,7 @@ class DashboardView:
     replicas: list[ReplicaView]
     policies: dict[str, PolicyView]
     hot_prefixes: list[HotPrefixView]
+    models: list[ModelView] = field(default_factory=list)
     #: Per policy, the chart points after the ``since`` the page asked for.
     series: dict[str, list[Point]] = field(default_factory=dict)
     text_shown: bool = False
@@ -179,6 +200,7 @@ def build(
     predicted = _predictions(stats)
     now = take_sample(stats, gateway, replicas, ts, predicted)
     starts = {name: history.window_start(now, name) for name in now.replicas}
+    states = {b.state.replica_id: b.state for b in gateway.pool.backends}
     history.add(now)
     return DashboardView(
         ts=ts,
@@ -190,11 +212,19 @@ def build(
         refused=stats.refused,
         retries=stats.retries,
         replicas=[
-            _replica_view(gateway, b, replicas.get(b.replica_id), now, starts[b.replica_id])
+            _replica_view(
+                gateway,
+                states.get(b.replica_id),
+                b,
+                replicas.get(b.replica_id),
+                now,
+                starts[b.replica_id],
+            )
             for b in stats.backends
         ],
         policies=_policy_views(stats, predicted),
         hot_prefixes=_hot_prefixes(gateway, hot_shown, show_text),
+        models=_models(gateway, stats),
         series=history.points(since),
         text_shown=show_text,
     )
@@ -202,6 +232,7 @@ def build(
 
 def _replica_view(
     gateway: Gateway,
+    state: ReplicaState | None,
     backend: BackendStats,
     own: ReplicaStats | None,
     now: Sample,
@@ -213,6 +244,7 @@ def _replica_view(
     cache = own.cache if own else None
     policy = gateway.models.policy(backend.model)
     index = policy.index if isinstance(policy, IndexedPolicy) else None
+    loaded = state.loaded_adapters if state else None
     return ReplicaView(
         name, backend.url, backend.healthy, backend.dispatched,
         backend.outstanding_requests, backend.outstanding_prefill_tokens,
@@ -222,7 +254,33 @@ def _replica_view(
         cache.token_hit_rate if cache else None,
         index.num_entries(name) if index else None,
         backend.routing_mode, backend.approximate_reason,
+        gateway.models.model_of(state) if state else backend.model,
+        sorted(loaded) if loaded is not None else None,
     )  # fmt: skip
+
+
+def _models(gateway: Gateway, stats: GatewayStats) -> list[ModelView]:
+    """Every model and adapter served, then any that requests named and none serves."""
+    views = []
+    served = gateway.models.names()
+    for name, base in served:
+        replicas = gateway.models.replicas(base or name)
+        if base is not None:
+            replicas = [r for r in replicas if name in r.adapters]
+        loaded = [r.replica_id for r in replicas if name in (r.loaded_adapters or ())]
+        views.append(_model_view(name, base, [r.replica_id for r in replicas], loaded, stats))
+    known = {name for name, _ in served}
+    views += [_model_view(n, None, [], [], stats) for n in sorted(stats.models) if n not in known]
+    return views
+
+
+def _model_view(
+    name: str, base: str | None, replicas: list[str], loaded: list[str], stats: GatewayStats
+) -> ModelView:
+    counts = stats.models.get(name)
+    requests, errors = (counts.requests, counts.errors) if counts else (0, 0)
+    hit_rate = counts.token_hit_rate if counts else None
+    return ModelView(name, base, sorted(replicas), sorted(loaded), requests, errors, hit_rate)
 
 
 def _predictions(stats: GatewayStats) -> dict[str, PolicyCounts]:

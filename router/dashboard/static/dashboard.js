@@ -85,6 +85,7 @@ function fillTable(selector, key, items, cellsOf) {
 function renderReplicas(view) {
   fillTable("#replicas", "replica", view.replicas.map((r) => [r.replica_id, r]), (r) => [
     cell("replica_id", r.replica_id, r.replica_id + (r.healthy ? "" : " (down)"), r.healthy ? "" : "down"),
+    modelCell(r),
     bar(r.gpu_cached_blocks, r.gpu_blocks, "gpu"),
     bar(r.host_cached_blocks, r.host_blocks, "host"),
     cell("window_hit_rate", r.rates.token_hit_rate, pct(r.rates.token_hit_rate)),
@@ -94,6 +95,26 @@ function renderReplicas(view) {
     cell("dispatched", r.dispatched, int(r.dispatched)),
     cell("index_keys", r.index_keys, int(r.index_keys)),
     routing(r),
+  ]);
+}
+
+// Its base model, and the adapters in its GPU slots after a "+".
+function modelCell(r) {
+  const loaded = r.loaded_adapters || [];
+  const text = (r.model || dash) + (loaded.length ? " + " + loaded.join(", ") : "");
+  return cell("model", r.model, text);
+}
+
+function renderModels(view) {
+  const names = (ids) => (ids.length ? ids.join(", ") : dash);
+  fillTable("#models", "model", view.models.map((m) => [m.name, m]), (m) => [
+    cell("name", m.name, m.name),
+    cell("base", m.base, m.base || dash),
+    cell("requests", m.requests, int(m.requests)),
+    cell("errors", m.errors, int(m.errors)),
+    cell("token_hit_rate", m.token_hit_rate, pct(m.token_hit_rate)),
+    cell("replicas", m.replicas.join(","), m.replicas.length ? names(m.replicas) : "none: 404"),
+    cell("loaded_on", m.loaded_on.join(","), m.base ? names(m.loaded_on) : ""),
   ]);
 }
 
@@ -229,6 +250,7 @@ async function refresh() {
   addPoints(view.series);
   renderFleet(view);
   renderReplicas(view);
+  renderModels(view);
   renderPolicies(view);
   renderHot(view);
   renderCharts();

@@ -18,21 +18,24 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running, start, stop, wait_until
+from replica.api.identity import DEFAULT_MODEL
 from tests.shared import gateway_stats, replica_stats, settled
 
 pytestmark = pytest.mark.slow
 
 ADMIN, TENANT = "admin-key-for-tests", "tenant-key-for-tests"
+ADAPTER = "sql"
 SYSTEMS = [f"Application {a} answers questions about product {a}. " * 12 for a in range(3)]
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
-    """A gateway with API keys in front of two replicas with a host tier."""
+    """A gateway with API keys in front of two replicas with a host tier, the first
+    serving a LoRA adapter too."""
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{ADMIN} ops admin\n{TENANT} acme\n")
     replica = ["replica", "--speedup", "20", "--num-blocks", "256", "--host-blocks", "1024"]
-    with running(replica, replica) as replicas:
+    with running([*replica, "--lora-modules", ADAPTER], replica) as replicas:
         gateway = ["gateway", *[f"--backend={url}" for url in replicas],
                    "--api-keys-file", str(keys)]  # fmt: skip
         with running(gateway) as (url,):
@@ -40,10 +43,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
             yield url, replicas
 
 
-def drive_traffic(url: str, requests: int = 36) -> None:
+def drive_traffic(url: str, requests: int = 36, adapter_requests: int = 4) -> None:
+    """36 requests over three system prompts, then 4 on the first naming the adapter."""
     with httpx.Client(timeout=30, headers={"authorization": f"Bearer {TENANT}"}) as client:
-        for i in range(requests):
-            body = {"prompt": SYSTEMS[i % 3] + f"Question {i}?", "max_tokens": 4}
+        for i in range(requests + adapter_requests):
+            adapter = i >= requests
+            body = {"prompt": SYSTEMS[0 if adapter else i % 3] + f"Question {i}?", "max_tokens": 4}
+            if adapter:
+                body["model"] = ADAPTER
             client.post(f"{url}/v1/completions", json=body).raise_for_status()
 
 
@@ -90,8 +97,8 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     ended = time.time()
     refreshed_after(browser, ended + 1.0)  # a second sample after the traffic: chart points
     stats = gateway_stats(url)
-    assert stats.totals.requests == 36
-    assert browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="requests"]').text == "36"
+    assert stats.totals.requests == 40
+    assert browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="requests"]').text == "40"
     hit_rate = browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="token_hit_rate"]')
     assert stats.totals.token_hit_rate and stats.totals.token_hit_rate > 0.5
     assert hit_rate.text == f"{100 * stats.totals.token_hit_rate:.1f}%"
@@ -103,6 +110,7 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
         assert cell(browser, row, "outstanding_requests")[0] == "0"
         assert cell(browser, row, "outstanding_prefill_tokens")[0] == "0"
         assert cell(browser, row, "routing_mode")[0] == backend.routing_mode == "precise"
+        assert cell(browser, row, "model")[1] == backend.model == DEFAULT_MODEL
         own = replica_stats(replica_url).cache
         assert cell(browser, row, "gpu_cached_blocks")[1] == str(own.cached_blocks)
         assert cell(browser, row, "host_cached_blocks")[1] == str(own.host_cached_blocks)
@@ -113,9 +121,24 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
         else:
             assert float(window) == pytest.approx(own.token_hit_rate)
 
+    # the models table: the base model and the adapter, as /stats counts them
+    adapter_row = f'#models tr[data-model="{ADAPTER}"]'
+    base_row = f'#models tr[data-model="{DEFAULT_MODEL}"]'
+    assert stats.models[DEFAULT_MODEL].requests == 36 and stats.models[ADAPTER].requests == 4
+    assert cell(browser, base_row, "requests")[0] == "36"
+    assert cell(browser, adapter_row, "requests")[0] == "4"
+    assert cell(browser, adapter_row, "base")[0] == DEFAULT_MODEL
+    adapter_hits = stats.models[ADAPTER].token_hit_rate
+    assert cell(browser, adapter_row, "token_hit_rate")[0] == f"{100 * adapter_hits:.1f}%"
+    first = stats.backends[0].replica_id  # the replica that serves the adapter
+    assert cell(browser, adapter_row, "replicas")[1] == first
+    assert cell(browser, adapter_row, "loaded_on")[1] == first  # its only slot user
+    first_row = f'#replicas tr[data-replica="{first}"]'
+    assert cell(browser, first_row, "model")[0] == f"{DEFAULT_MODEL} + {ADAPTER}"
+
     policy = stats.policies["cache_aware"]
     row = '#policies tr[data-policy="cache_aware"]'
-    assert cell(browser, row, "requests")[0] == "36"
+    assert cell(browser, row, "requests")[0] == "40"
     assert cell(browser, row, "token_hit_rate")[0] == f"{100 * policy.token_hit_rate:.1f}%"
     assert float(cell(browser, row, "ttft_p50_s")[1]) == pytest.approx(policy.ttft_p50_s)
     counts = stats.by_policy("cache_aware")
@@ -124,7 +147,7 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-hit canvas")
 
     hot = browser.find_elements(By.CSS_SELECTOR, "#hot tbody tr")
-    assert len(hot) == 3  # one per application's system prompt, 12 requests each
+    assert len(hot) == 4  # one per system prompt, and the first under the adapter
     assert all(len(r.get_attribute("data-prefix")) == 16 for r in hot)
     assert "Application 1" not in browser.page_source  # no prompt text unless asked
     browser.save_screenshot(str(tmp_path / "dashboard.png"))
