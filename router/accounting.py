@@ -128,7 +128,10 @@ class Accounting:
             queued=len(admission),
             config=config,
             backends=[self._backend_stats(backend) for backend in pool.backends],
-            tenants={name: counts.stats() for name, counts in self.tenants.items()},
+            tenants={
+                name: replace(counts.stats(), charged_tokens=admission.fair.charged_tokens[name])
+                for name, counts in self.tenants.items()
+            },
             totals=self.totals.stats(),
             pid=os.getpid(),
             policies={name: self._policy_stats(name) for name in self.policies},

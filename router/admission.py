@@ -1,10 +1,13 @@
 """Admission control: bounded work per replica, a bounded queue in front of them.
 
 A replica takes at most ``max_outstanding`` requests from the gateway at a time.
-When every replica is full, a request waits in the gateway's FIFO queue for a slot,
-at most ``max_queued`` of them and each at most ``timeout_s``; beyond either bound it
-is refused at once (429 with ``Retry-After``), so neither the queue nor the memory it
+When every replica is full, a request waits in the gateway's queue for a slot, at
+most ``max_queued`` of them and each at most ``timeout_s``; beyond either bound it is
+refused at once (429 with ``Retry-After``), so neither the queue nor the memory it
 holds can grow without limit, and the latency of admitted requests stays bounded.
+A freed slot goes to the most urgent request class waiting, then to the tenant that
+has received the least service (router/fairness.py), then first come, first served:
+without tenants or classes, a FIFO.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+
+from router.fairness import FairShare
 
 
 class Overloaded(Exception):
@@ -22,30 +27,43 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-class AdmissionQueue:
-    """Requests waiting for a replica slot, served first come, first served."""
+#: A queue of waiters: a request class's rank and a tenant.
+QueueKey = tuple[int, str | None]
 
-    def __init__(self, max_queued: int, timeout_s: float) -> None:
+
+class AdmissionQueue:
+    """Requests waiting for a replica slot: a FIFO per request class and tenant."""
+
+    def __init__(self, max_queued: int, timeout_s: float, fair: FairShare | None = None) -> None:
         self.max_queued = max_queued
         self.timeout_s = timeout_s
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.fair = fair or FairShare()
+        self._queues: dict[QueueKey, deque[asyncio.Future[None]]] = {}
         self.refused = 0  # requests turned away, queue full or waited too long
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return sum(len(queue) for queue in self._queues.values())
+
+    def waiting(self) -> dict[QueueKey, int]:
+        """Requests waiting per request class's rank and tenant."""
+        return {key: len(queue) for key, queue in self._queues.items()}
 
     def deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.timeout_s
 
-    async def wait_turn(self, deadline: float) -> None:
+    async def wait_turn(self, deadline: float, tenant: str | None = None, rank: int = 0) -> None:
         """Wait until :meth:`slot_freed` wakes this request; raise :class:`Overloaded`
         if the queue is full or ``deadline`` (event-loop time) passes first."""
-        if len(self._waiters) >= self.max_queued:
+        if len(self) >= self.max_queued:
             self.refused += 1
             raise Overloaded(f"all replicas are busy and {self.max_queued} requests are queued")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(waiter)
+        waiting = {t for _, t in self._queues}
+        if tenant not in waiting:
+            self.fair.lift(tenant, waiting)  # back from idle: no banked credit
+        key = (rank, tenant)
+        self._queues.setdefault(key, deque()).append(waiter)
         try:
             await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
         except TimeoutError:
@@ -57,16 +75,28 @@ class AdmissionQueue:
             raise
         finally:
             if not waiter.done() or waiter.cancelled():
-                self._remove(waiter)
+                self._remove(key, waiter)
 
     def slot_freed(self) -> None:
-        """A replica finished a request: wake the longest-waiting one."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        """A replica finished a request: wake the next one (see the module's doc)."""
+        while self._queues:
+            key = min(self._queues, key=self._order)
+            queue = self._queues[key]
+            waiter = queue.popleft()
+            if not queue:
+                del self._queues[key]
             if not waiter.done():
                 waiter.set_result(None)
                 return
 
-    def _remove(self, waiter: asyncio.Future[None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+    def _order(self, key: QueueKey) -> tuple[int, float]:
+        rank, tenant = key
+        return rank, self.fair.service[tenant]
+
+    def _remove(self, key: QueueKey, waiter: asyncio.Future[None]) -> None:
+        queue = self._queues.get(key)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(waiter)
+            if not queue:
+                del self._queues[key]

@@ -34,11 +34,12 @@ from router.config import GatewayConfig
 from router.dashboard import STATIC
 from router.dashboard.history import History
 from router.dashboard.view import build, replica_figures
+from router.fairness import PRIORITY_HEADER, priority_rank
 from router.gateway import Gateway
 from router.http_client import Client, Timeouts
 from router.intake import Envelope, check_length, read_envelope, request_prompts
 from router.policies import POLICIES, RoutingRequest
-from router.tenants import ApiKeys, Unauthorized, tenant_salt
+from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
 from router.upstream import Upstream
 
 #: What the completion endpoints answer besides 200, for the OpenAPI schema.
@@ -186,11 +187,30 @@ def _tenant_routing(
         gateway.accounting.unread_prompts += 1
         routing = RoutingRequest(api.new_id("route"), 0, tenant=name, model=served.model,
                                  adapter=served.adapter)  # fmt: skip
+        routing.priority, routing.weight = _priority(request, tenant), _weight(tenant)
         return routing, fields
     routing = gateway.routing_request(prompt, salt, name, served)
+    routing.priority, routing.weight = _priority(request, tenant), _weight(tenant)
     routing.session = _session_key(request, envelope, gateway.config.session_key)
     gateway.accounting.session_requests += routing.session is not None
     return routing, fields
+
+
+def _priority(request: Request, tenant: Tenant | None) -> int:
+    """The request class's rank: the ``x-priority`` header's, never more urgent than
+    the key's class."""
+    floor = priority_rank(tenant.priority) if tenant else 0
+    asked = request.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return floor
+    try:
+        return max(priority_rank(asked.strip().lower()), floor)
+    except ValueError as error:
+        raise api.Rejected(str(error), 400, PRIORITY_HEADER) from None
+
+
+def _weight(tenant: Tenant | None) -> float:
+    return tenant.weight if tenant else 1.0
 
 
 def _session_key(request: Request, envelope: Envelope, source: str) -> str | None:

@@ -119,7 +119,7 @@ class Gateway:
                 return states
         deadline = self.admission.deadline()
         while True:  # woken when a slot frees; another request may have taken it
-            await self.admission.wait_turn(deadline)
+            await self.admission.wait_turn(deadline, request.tenant, request.priority)
             states = self.available(request)
             if states:
                 return states

@@ -118,6 +118,9 @@ class TenantStats:
     cached_tokens: int
     #: Cached over prompt tokens; ``None`` before the first answer that reported them.
     token_hit_rate: float | None
+    #: What its fair share was charged (router/fairness.py): the prompt tokens the
+    #: engines did not have cached, and the tokens they generated.
+    charged_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ tenant's requests therefore carry a salt derived from the tenant's name (and any
 ``cache_salt`` the request names, as vLLM accepts): block identities in the router
 and in the replicas are seeded by it, so two tenants never share a block.
 
-Keys come from a file (one ``KEY TENANT [admin]`` per line, ``#`` comments) and from
-the environment (``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin"``). Only
+Keys come from a file (one ``KEY TENANT [admin] [weight=W] [class=batch]`` per line,
+``#`` comments) and from the environment
+(``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin:weight=2"``). A tenant's weight
+and request class order the gateway's queue when the fleet is full (router/fairness.py). Only
 their SHA-256 digests are kept, so a lookup's timing says nothing about a key's
 bytes. No keys configured: authentication is off and every request is tenant-less.
 """
@@ -20,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.fairness import PRIORITIES, priority_rank
+
 ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
 
 
@@ -27,6 +31,11 @@ ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
 class Tenant:
     name: str
     admin: bool = False
+    #: Its share of a saturated fleet against other tenants' (router/fairness.py).
+    weight: float = 1.0
+    #: Its requests' class: ``interactive`` or ``batch`` (a request may ask for a
+    #: less urgent class than its key's, never a more urgent one).
+    priority: str = "interactive"
 
 
 class Unauthorized(Exception):
@@ -90,10 +99,27 @@ def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     return "tenant-" + hashlib.sha256(spelled.encode()).hexdigest()
 
 
+USAGE = "KEY TENANT [admin] [weight=W] [class=interactive|batch]"
+
+
 def _tenant(fields: list[str], where: str) -> Tenant:
-    if not fields or not fields[0] or len(fields) > 2 or fields[1:] not in ([], ["admin"]):
-        raise ValueError(f"{where}: expected KEY TENANT [admin]")
-    return Tenant(fields[0], admin=fields[1:] == ["admin"])
+    if not fields or not fields[0]:
+        raise ValueError(f"{where}: expected {USAGE}")
+    admin, weight, priority = False, 1.0, PRIORITIES[0]
+    for option in fields[1:]:
+        name, _, value = option.partition("=")
+        try:
+            if option == "admin":
+                admin = True
+            elif name == "weight" and float(value) > 0:
+                weight = float(value)
+            elif name == "class":
+                priority = PRIORITIES[priority_rank(value)]
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{where}: bad {option!r}; expected {USAGE}") from None
+    return Tenant(fields[0], admin, weight, priority)
 
 
 def _digest(key: str) -> bytes:

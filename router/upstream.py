@@ -30,6 +30,7 @@ from router.policies import Policy, ReplicaState, RoutingRequest
 #: How a try on a replica can fail: unreachable, broken, or silent too long.
 FAILURES = (UpstreamError, TimeoutError)
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 #: Upstream answers worth another replica's try (the replica is overloaded or broken).
 RETRYABLE_STATUSES = frozenset({500, 502, 503, 504})
 
@@ -91,6 +92,10 @@ class Upstream:
             backend = gateway.pool.by_state(policy.choose(routing, candidates))
             tried.add(backend.state.replica_id)
             gateway.accounting.dispatched(routing, backend.state, policy)
+            # its fair share pays the prefill predicted there; corrected when it ends
+            gateway.admission.fair.charge(
+                routing.tenant, routing.predicted_uncached_tokens, routing.weight
+            )
             try:
                 return await send(backend, policy)
             except UpstreamFailed as error:
@@ -154,9 +159,21 @@ class Upstream:
         policy: Policy,
         cached: int | None,
         failed: bool,
+        generated: int = 0,
     ) -> None:
         self.gateway.accounting.ended(routing, backend.state, policy, cached, failed)
-        self.gateway.admission.slot_freed()
+        admission = self.gateway.admission
+        # Its fair share was charged the predicted prefill: a failed try costs nothing,
+        # and what the engine says it cached corrects the prediction.
+        charged = routing.predicted_uncached_tokens
+        if failed:
+            cost = 0
+        elif cached is None:
+            cost = charged + generated
+        else:
+            cost = routing.num_prompt_tokens - cached + generated
+        admission.fair.charge(routing.tenant, cost - charged, routing.weight)
+        admission.slot_freed()
 
     async def _whole(
         self,
@@ -175,11 +192,14 @@ class Upstream:
             raise self._failed(routing, backend, policy, error) from None
         finally:
             response.release()
-        cached = None
+        cached, generated = None, 0
         if response.status == 200:
             found = CACHED_TOKENS.search(content)  # cheaper than decoding the whole answer
             cached = int(found.group(1)) if found else None
-        self._ended(routing, backend, policy, cached, failed=response.status >= 500)
+            found = COMPLETION_TOKENS.search(content)
+            generated = int(found.group(1)) if found else 0
+        failed = response.status >= 500
+        self._ended(routing, backend, policy, cached, failed, generated)
         media = response.headers.get("content-type", "application/json")
         headers = decision_headers(routing, backend)
         return Response(content, status_code=response.status, media_type=media, headers=headers)
@@ -199,6 +219,7 @@ class Upstream:
         mid-stream, end it with an error event (the client has tokens already: no
         silent truncation, no retry)."""
         cached: int | None = None
+        generated = 0
         failed = True
         try:
             line: str | None = first
@@ -209,6 +230,7 @@ class Upstream:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage") and not chunk.get("choices"):
                         cached = _cached_tokens(chunk["usage"])
+                        generated = int(chunk["usage"].get("completion_tokens") or 0)
                         if not client_wants_usage:
                             line = await anext(lines, None)
                             continue  # the gateway asked for it, the client did not
@@ -222,7 +244,7 @@ class Upstream:
             yield b"data: [DONE]\n\n"
         finally:
             response.release()
-            self._ended(routing, backend, policy, cached, failed=failed)
+            self._ended(routing, backend, policy, cached, failed, generated)
 
 
 def decision_headers(routing: RoutingRequest, backend: Backend) -> dict[str, str]:

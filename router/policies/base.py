@@ -100,6 +100,10 @@ class RoutingRequest:
     #: The model it names (``None``: the default) and the LoRA adapter it runs under.
     model: str | None = None
     adapter: str | None = None
+    #: Its request class's rank (0: interactive, 1: batch; router/fairness.py) and its
+    #: tenant's weight: what orders it in the gateway's queue when replicas are full.
+    priority: int = 0
+    weight: float = 1.0
 
     @property
     def predicted_uncached_tokens(self) -> int:

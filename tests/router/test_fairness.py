@@ -1,0 +1,173 @@
+"""Fair admission: when replicas are full, the next request is the most urgent class's,
+then the least-served tenant's, charged in the prefill it really cost."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import httpx
+import pytest
+
+from deploy.processes import running
+from replica.api import stats as stats_codec
+from router.admission import AdmissionQueue
+from router.fairness import FairShare
+from router.stats import GatewayStats
+from router.tenants import ApiKeys, Tenant
+
+
+async def served_order(queue: AdmissionQueue, arrivals: list[tuple[str | None, int]]) -> list[int]:
+    """Queue ``arrivals`` (tenant, class rank) in order, free one slot at a time, and
+    return the order (indices into ``arrivals``) in which they were woken."""
+    order: list[int] = []
+
+    async def wait(i: int, tenant: str | None, rank: int) -> None:
+        await queue.wait_turn(queue.deadline(), tenant, rank)
+        order.append(i)
+
+    tasks = []
+    for i, (tenant, rank) in enumerate(arrivals):
+        tasks.append(asyncio.create_task(wait(i, tenant, rank)))
+        await asyncio.sleep(0)  # each in the queue before the next arrives
+    for served in range(1, len(arrivals) + 1):
+        queue.slot_freed()
+        await woken(order, served)
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def woken(order: list, count: int) -> None:
+    """Let the loop run until ``count`` waiters have woken and done their work."""
+    while len(order) < count:
+        await asyncio.sleep(0)
+
+
+def test_without_tenants_or_classes_the_queue_is_first_come_first_served():
+    queue = AdmissionQueue(max_queued=16, timeout_s=5)
+    assert asyncio.run(served_order(queue, [(None, 0)] * 6)) == list(range(6))
+
+
+def test_the_least_served_tenant_goes_next_and_idle_time_banks_no_credit():
+    fair = FairShare()
+    fair.charge("flood", 10_000)  # it has had the fleet to itself
+    fair.charge("steady", 500)  # long ago: it has been idle since
+    queue = AdmissionQueue(max_queued=16, timeout_s=5, fair=fair)
+
+    async def charged_as_served() -> list[str]:
+        order: list[str] = []
+
+        async def wait(tenant: str) -> None:
+            await queue.wait_turn(queue.deadline(), tenant)
+            order.append(tenant)
+            fair.charge(tenant, 1_000)  # what its prefill cost
+
+        tasks = [asyncio.create_task(wait(t)) for t in ["flood"] * 4 + ["steady"] * 2]
+        await asyncio.sleep(0)
+        assert fair.service["steady"] == 10_000  # lifted to flood's: no banked credit
+        for served in range(1, len(tasks) + 1):
+            queue.slot_freed()
+            await woken(order, served)
+        await asyncio.gather(*tasks)
+        return order
+
+    # Each tenant's turn comes when its service is the least (a tie: the older queue).
+    expected = ["flood", "steady", "flood", "steady", "flood", "flood"]
+    assert asyncio.run(charged_as_served()) == expected
+
+
+def test_interactive_requests_go_before_batch_ones_whatever_the_service():
+    fair = FairShare()
+    fair.charge("chat", 50_000)  # far more service than the batch tenant
+    queue = AdmissionQueue(max_queued=16, timeout_s=5, fair=fair)
+    arrivals = [("batch", 1)] * 3 + [("chat", 0)] * 2
+    assert asyncio.run(served_order(queue, arrivals)) == [3, 4, 0, 1, 2]
+
+
+def test_weights_divide_the_charge():
+    fair = FairShare()
+    fair.charge("gold", 3_000, weight=3)
+    fair.charge("bronze", 3_000)
+    assert fair.service["gold"] == 1_000 and fair.service["bronze"] == 3_000
+    assert fair.charged_tokens["gold"] == fair.charged_tokens["bronze"] == 3_000
+
+
+def test_keys_carry_a_weight_and_a_class(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("k1 acme weight=2\nk2 batchco class=batch\nk3 ops admin weight=0.5\n")
+    keys = ApiKeys.load(str(path), env={"PREFIX_ROUTER_API_KEYS": "k4=bulk:class=batch:weight=4"})
+    assert keys.tenant("Bearer k1") == Tenant("acme", weight=2.0)
+    assert keys.tenant("Bearer k2") == Tenant("batchco", priority="batch")
+    assert keys.tenant("Bearer k3") == Tenant("ops", admin=True, weight=0.5)
+    assert keys.tenant("Bearer k4") == Tenant("bulk", weight=4.0, priority="batch")
+    for bad in ("k acme weight=0", "k acme class=urgent", "k acme root"):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=r"keys.txt:1: bad .*expected KEY TENANT"):
+            ApiKeys.load(str(path), env={})
+
+
+FLOOD, STEADY, BATCH, ADMIN = "flood-key", "steady-key", "batch-key", "admin-key"
+
+
+@pytest.mark.slow
+def test_through_the_gateway_a_steady_tenant_passes_a_flood_and_batch_waits(tmp_path):
+    """One slow replica taking one request at a time: a tenant that queued eight
+    requests does not keep a later tenant's one behind all of them; a batch request
+    queued first waits behind an interactive one queued after it."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(
+        f"{FLOOD} flood\n{STEADY} steady\n{BATCH} nightly class=batch\n{ADMIN} ops admin\n"
+    )
+    with running(["replica", "--speedup", "1"]) as (replica,):
+        gateway = ["gateway", f"--backend={replica}", "--api-keys-file", str(keys),
+                   "--max-outstanding-per-replica", "1"]  # fmt: skip
+        with running(gateway) as (url,):
+            order = asyncio.run(finishing_order(url))
+            headers = {"authorization": f"Bearer {STEADY}", "x-priority": "now"}
+            body = {"prompt": "hi", "max_tokens": 1}
+            bad = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            admin = {"authorization": f"Bearer {ADMIN}"}
+            stats = stats_codec.decode(
+                GatewayStats, httpx.get(f"{url}/stats", headers=admin).content
+            )
+    assert bad.status_code == 400 and "unknown request class 'now'" in bad.text
+    steady, batch = order.index("steady"), order.index("batch")
+    # FIFO would serve it ninth (after all eight of flood's); fairly, once flood's
+    # service passes its own, within the first few.
+    assert steady <= 3, order
+    assert order.index("chat") < batch, order
+    assert len(order) == 11
+    # each was charged the prefill the engine did not have cached, and its 24 tokens
+    for name, tenant in stats.tenants.items():
+        uncached = tenant.prompt_tokens - tenant.cached_tokens
+        assert tenant.charged_tokens == uncached + 24 * tenant.requests, name
+    print("finishing order:", " ".join(order))
+
+
+async def finishing_order(url: str) -> list[str]:
+    done: list[str] = []
+    serial = itertools.count()
+
+    async def send(client: httpx.AsyncClient, key: str, label: str, header: str = "") -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        if header:
+            headers["x-priority"] = header
+        # a prompt of its own each, as costly as any other's: the order is fairness alone
+        prompt = f"{next(serial)} {label} asks: " + "tell me about caches. " * 20
+        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+        response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        response.raise_for_status()
+        done.append(label)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = [asyncio.create_task(send(client, FLOOD, "flood")) for _ in range(8)]
+        await asyncio.sleep(0.3)  # flood's are queued (one is running)
+        tasks.append(asyncio.create_task(send(client, STEADY, "steady")))
+        await asyncio.sleep(0.1)
+        # a batch key cannot ask for more urgency than its class
+        tasks.append(asyncio.create_task(send(client, BATCH, "batch", "interactive")))
+        await asyncio.sleep(0.1)
+        # steady again, marked interactive: it must still go before the batch request
+        tasks.append(asyncio.create_task(send(client, STEADY, "chat", "interactive")))
+        await asyncio.gather(*tasks)
+    return done
