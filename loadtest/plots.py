@@ -103,6 +103,21 @@ def ttft_percentiles_chart(rows: Sequence[Row], path: Path) -> None:
     _grouped_bars(rows, series, path, "milliseconds", "Time to first token", 1000, "%.0f")
 
 
+TENANT_COLORS = ("#4C72B0", "#55A868", "#8172B2", "#C44E52", "#CCB974", "#64B5CD")
+
+
+def tenant_ttft_chart(rows: Sequence[Row], path: Path) -> None:
+    """Per run: each tenant's TTFT p99, one bar per tenant."""
+    runs = [r for r in rows if r.get("tenants")]
+    tenants = sorted({name for r in runs for name in r["tenants"]})
+    flat = [
+        {"label": r["label"], **{t: r["tenants"].get(t, {}).get("ttft_p99_s") for t in tenants}}
+        for r in runs
+    ]
+    series = [(t, t, TENANT_COLORS[i % len(TENANT_COLORS)]) for i, t in enumerate(tenants)]
+    _grouped_bars(flat, series, path, "milliseconds", "TTFT p99 per tenant", 1000, "%.0f")
+
+
 def _grouped_bars(
     rows: Sequence[Row],
     series: Sequence[tuple[str, str, str]],

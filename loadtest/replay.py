@@ -37,6 +37,7 @@ from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
+from router.fairness import FairQueue, FairShare, check_fairness, dispatch_cost, final_cost
 from router.models import ModelRoutes, ServedName
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
@@ -77,6 +78,11 @@ class ReplayConfig:
     #: adapters the workload asks for on its model, ``max_loras`` of them at once.
     fleet: str = ""
     max_loras: int = 1
+    #: Requests in flight per replica, beyond which they wait in their router's queue
+    #: (a gateway's ``--max-outstanding-per-replica``; 0: no limit and no queue), and
+    #: who goes next from it: ``prefill``, ``vtc`` or ``fcfs`` (router/fairness.py).
+    max_outstanding: int = 0
+    fairness: str = "prefill"
 
     def __post_init__(self) -> None:
         if self.fleet:
@@ -85,6 +91,9 @@ class ReplayConfig:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
         if self.routers < 1 or self.event_delay_s < 0:
             raise ValueError("routers must be positive and event_delay_s not negative")
+        if self.max_outstanding < 0:
+            raise ValueError(f"max_outstanding must not be negative, got {self.max_outstanding}")
+        check_fairness(self.fairness)
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
@@ -148,6 +157,7 @@ class ReplayConfig:
             max_num_seqs=n * self.max_num_seqs,
             max_num_batched_tokens=n * self.max_num_batched_tokens,
             compute_scale=n * self.compute_scale,
+            max_outstanding=n * self.max_outstanding,
             routers=1,
             event_delay_s=0.0,
         )
@@ -173,6 +183,10 @@ class RequestRecord:
     #: The model it asked for (``None``: the fleet's one model) and its adapter.
     model: str | None = None
     adapter: str | None = None
+    #: Who sent it and its class's rank; when it left its router's queue.
+    tenant: str | None = None
+    priority: int = 0
+    dispatched_s: float = 0.0
 
 
 @dataclass
@@ -243,6 +257,9 @@ class Simulation:
         self._shared_hashes = self._shared_prefix_hashes()
         #: Events and load reports on their way to the routers: time, order, engine, what.
         self._deliveries: list[tuple[float, int, int, object]] = []
+        #: Each router's requests waiting for a replica below ``max_outstanding``.
+        self.fair_shares = [FairShare() for _ in self.routers]
+        self._queues: list[FairQueue[_Waiting]] = [FairQueue(f) for f in self.fair_shares]
 
     def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
         """One router: its policies (one per model, seeded apart from the other
@@ -319,21 +336,69 @@ class Simulation:
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
         router = int(self._pick_router.integers(len(self.routers))) if len(self.routers) > 1 else 0
-        routes, replicas = self.routers[router]
+        routes = self.routers[router][0]
         served = ServedName(session.model or routes.default_model, session.adapter)
         seed = self._seeds(served.name, session.cache_salt)
         stride_hashes = prefix_keys(prompt, self._stride_tokens, seed)
         key = session.session_id if self.config.session_keys else None
-        routing = RoutingRequest(request_id, len(prompt), stride_hashes, session=key,
-                                 model=served.model, adapter=served.adapter)  # fmt: skip
-        policy = routes.policy(served.model)
-        candidates = routes.serving(served, replicas) if self.config.fleet else replicas
+        routing = RoutingRequest(
+            request_id, len(prompt), stride_hashes, session=key, model=served.model,
+            adapter=served.adapter, tenant=session.tenant, priority=session.priority,
+        )  # fmt: skip
+        waiting = _Waiting(session_index, turn_index, routing, prompt, self.now, router)
+        if self.config.max_outstanding:  # a gateway's admission: queue when all are full
+            self._queues[router].push(waiting, self._queue_tenant(routing), routing.priority)
+            self._admit_waiting(router)
+        else:
+            self._dispatch(waiting, self._serving(waiting))
+
+    def _serving(self, waiting: _Waiting) -> list[ReplicaState]:
+        routes, replicas = self.routers[waiting.router]
+        routing = waiting.routing
+        if not self.config.fleet:
+            return replicas
+        return routes.serving(ServedName(routing.model or routes.default_model, routing.adapter),
+                              replicas)  # fmt: skip
+
+    def _queue_tenant(self, routing: RoutingRequest) -> str | None:
+        return None if self.config.fairness == "fcfs" else routing.tenant
+
+    def _admit_waiting(self, router: int) -> None:
+        """Dispatch from the router's queue while a replica below ``max_outstanding``
+        serves the next in line (as slots free at a gateway)."""
+        queue, cap = self._queues[router], self.config.max_outstanding
+        while (waiting := queue.pop()) is not None:
+            free = [r for r in self._serving(waiting) if r.outstanding_requests < cap]
+            if not free:
+                queue.push(waiting, self._queue_tenant(waiting.routing), waiting.routing.priority,
+                           front=True)  # fmt: skip
+                return
+            self._dispatch(waiting, free)
+
+    def _dispatch(self, waiting: _Waiting, candidates: list[ReplicaState]) -> None:
+        session_index, turn_index, routing = waiting.session, waiting.turn, waiting.routing
+        session, router, prompt = (
+            self.workload.sessions[session_index],
+            waiting.router,
+            waiting.prompt,
+        )
+        turn = session.turns[turn_index]
+        routes, replicas = self.routers[router]
+        request_id = routing.request_id
+        policy = routes.policy(routing.model)
         replica = policy.choose(routing, candidates)
         index = replicas.index(replica)
-        record = RequestRecord(request_id, session_index, turn_index, index, self.now, len(prompt))
+        record = RequestRecord(
+            request_id, session_index, turn_index, index, waiting.arrival_s, len(prompt)
+        )
         record.shared_prefix_tokens = session.shared_prefix_tokens
         record.predicted_cached_tokens = routing.predicted_cached_tokens
         record.model, record.adapter = session.model, session.adapter
+        record.tenant, record.priority, record.dispatched_s = (
+            routing.tenant,
+            routing.priority,
+            self.now,
+        )
         self.records[request_id] = record
         try:
             request = EngineRequest(
@@ -347,6 +412,9 @@ class Simulation:
             return
         self._in_flight[request_id] = (session_index, turn_index, routing, router)
         load.dispatched(policy, routing, replica, now=self.now)
+        mode = self.config.fairness
+        charge = dispatch_cost(mode, routing.num_prompt_tokens, routing.predicted_uncached_tokens)
+        self.fair_shares[router].charge(routing.tenant, charge)
         if not self._stepping[index]:
             self.engines[index].advance_to(self.now)
             self._step(index)
@@ -390,6 +458,7 @@ class Simulation:
             result = self.engines[index].run_burst(*ended)
         else:
             result = ended
+        freed: set[int] = set()  # routers whose requests ended: a slot for their queue
         for output in result.outputs:
             record = self.records[output.request_id]
             session_index, turn_index, routing, router = self._in_flight[output.request_id]
@@ -404,6 +473,8 @@ class Simulation:
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
                 load.completed(policy, routing, replica, output.num_cached_tokens)
+                self._charge(router, routing, output.num_cached_tokens, output.num_output_tokens)
+                freed.add(router)
                 self._finish(session_index, turn_index)
         self._forward_kv_events(index)
         if len(self.routers) > 1:  # a replica publishes its load on change
@@ -422,6 +493,17 @@ class Simulation:
                 state.loaded_adapters = engine.adapters.resident
                 state.free_adapter_slots = engine.adapters.free_slots
         self._step(index)
+        for router in freed if self.config.max_outstanding else ():
+            self._admit_waiting(router)
+
+    def _charge(self, router: int, routing: RoutingRequest, cached: int, generated: int) -> None:
+        """Correct its tenant's charge at dispatch by what the request really cost."""
+        mode, prompt = self.config.fairness, routing.num_prompt_tokens
+        predicted = routing.predicted_uncached_tokens
+        cost = final_cost(mode, prompt, predicted, cached, generated)
+        self.fair_shares[router].charge(
+            routing.tenant, cost - dispatch_cost(mode, prompt, predicted)
+        )
 
     def _finish(self, session_index: int, turn_index: int) -> None:
         """A turn ended: schedule the session's next turn, or the user's next session."""
@@ -485,6 +567,18 @@ class Simulation:
                 load.reported(states[index], payload)
             else:
                 routes.events(states[index], payload)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A request that arrived at its router, not yet dispatched."""
+
+    session: int
+    turn: int
+    routing: RoutingRequest
+    prompt: np.ndarray
+    arrival_s: float
+    router: int
 
 
 def _adapters_by_model(workload: Workload) -> dict[str, set[str]]:

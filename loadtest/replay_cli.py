@@ -25,12 +25,14 @@ from loadtest import plots
 from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
     MODEL_KEYS,
+    TENANT_KEYS,
     Row,
     command_line,
     format_table,
     model_rows,
     reference_row,
     replay_row,
+    tenant_rows,
     ttft_values,
     version,
     write_json,
@@ -45,7 +47,10 @@ DEFAULT_CAPACITY_SWEEP = "128,256,512,1024,2048,4096,8192,16384"
 #: utilisation the seed chapter's single engine sees.
 CHAT_SESSIONS_PER_REPLICA = ChatConfig().num_sessions
 CHAT_RATE_PER_REPLICA = ChatConfig().session_rate
-SWEEPABLE = {"replicas": "replicas", "capacity": "capacity_blocks", "routers": "routers"}
+SWEEPABLE = {
+    "replicas": "replicas", "capacity": "capacity_blocks", "routers": "routers",
+    "fairness": "fairness",
+}  # fmt: skip
 
 TABLE_KEYS = (
     "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
@@ -71,7 +76,8 @@ def add_replay_parser(commands: Any) -> None:
     parser.add_argument(
         "--sweep",
         metavar="NAME=V1,V2,...",
-        help="rows for several values of replicas, capacity or routers, e.g. replicas=1,2,4,8",
+        help="rows for several values of replicas, capacity, routers or fairness, "
+        "e.g. replicas=1,2,4,8 or fairness=fcfs,vtc,prefill",
     )
     parser.add_argument(
         "--sweep-capacity",
@@ -128,13 +134,17 @@ def add_replay_parser(commands: Any) -> None:
 # ------------------------------------------------------------------- set-up
 
 
-def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int]]:
+def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int] | list[str]]:
     spec = args.sweep or (f"capacity={args.sweep_capacity}" if args.sweep_capacity else None)
     if spec is None:
         return None, []
     name, _, values = spec.partition("=")
     if name not in SWEEPABLE:
-        raise ValueError(f"--sweep takes replicas=..., capacity=... or routers=..., got {spec!r}")
+        raise ValueError(
+            f"--sweep takes replicas=..., capacity=..., routers=... or fairness=..., got {spec!r}"
+        )
+    if name == "fairness":  # checked by ReplayConfig
+        return SWEEPABLE[name], [v for v in values.split(",") if v]
     try:
         return SWEEPABLE[name], [int(v) for v in values.split(",") if v]
     except ValueError:
@@ -210,6 +220,10 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(row.get("models") for row in rows):
         print("\nper model (or adapter) named:")
         print(format_table(model_rows(rows), MODEL_KEYS))
+    if any(row.get("tenants") for row in rows):
+        print("\nper tenant (jain_fairness: Jain's index of their service over fair shares):")
+        print(format_table(rows, ("label", "jain_fairness", "token_hit_rate", "ttft_p99_s")))
+        print(format_table(tenant_rows(rows), TENANT_KEYS))
     meta = {"seed": configs[0].seed, "command": command_line(), "version": version()}
     if args.json:
         write_json(args.json, rows, meta)
@@ -369,9 +383,12 @@ def _write_report(
     plots.hit_rate_chart(rows, out / charts[0])
     plots.ttft_chart(ttfts, out / charts[1])
     plots.load_chart([r for r in rows if r.get("policy")], out / charts[2])
-    if sweep_key:
+    if sweep_key and sweep_key != "fairness":
         charts.append("sweep.png")
         plots.sweep_chart(rows, sweep_key, out / charts[-1])
+    if any(row.get("tenants") for row in rows):
+        charts.append("tenants.png")
+        plots.tenant_ttft_chart(rows, out / charts[-1])
     lines = [
         "# prefix-router replay",
         "",

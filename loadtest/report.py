@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.replay import ReplayResult, RequestRecord
+from router.fairness import PRIORITIES
 from router.latency import percentile
 
 Row = dict[str, Any]
@@ -77,6 +78,7 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "duration_s": result.duration_s,
         **adapter_figures(result),
         "models": model_figures(done),
+        **tenant_figures(records),
     }
 
 
@@ -110,6 +112,106 @@ def model_figures(done: Sequence[RequestRecord]) -> dict[str, Row]:
 
 
 MODEL_KEYS = ("label", "model", "requests", "token_hit_rate", "ttft_p50_s", "ttft_p99_s")
+
+
+def tenant_figures(records: Sequence[RequestRecord]) -> Row:
+    """Per tenant: requests, token hit rate, TTFT and the wait in the router's queue;
+    and Jain's index of how fairly the fleet served them (``{}``: no tenants)."""
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        if record.tenant is not None and record.finish_s is not None:
+            by_tenant.setdefault(record.tenant, []).append(record)
+    if not by_tenant:
+        return {}
+    figures = {}
+    for name in sorted(by_tenant):
+        done = by_tenant[name]
+        prompt = sum(r.prompt_tokens for r in done)
+        ttfts = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+        waits = [r.dispatched_s - r.arrival_s for r in done]
+        figures[name] = {
+            "requests": len(done),
+            "priority": PRIORITIES[done[0].priority],
+            "token_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else None,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+            "queue_wait_p99_s": percentile(waits, 99),
+            "service_tokens": sum(_service(r) for r in done),
+        }
+    return {"tenants": figures, "jain_fairness": jain_fairness(records)}
+
+
+def _service(record: RequestRecord) -> int:
+    """What the fleet spent on a request: its uncached prompt tokens and its output."""
+    return record.prompt_tokens - record.cached_tokens + record.output_tokens
+
+
+def jain_fairness(records: Sequence[RequestRecord], window_s: float = 5.0) -> float | None:
+    """Jain's index, (sum x)^2 / (n sum x^2), of each tenant's service over its max-min
+    fair share of it (1: every tenant got its fair share; 1/n: one got everything), the
+    mean over the windows of ``window_s`` in which the fleet was contended.
+
+    A replay runs until every request is served, so totals say nothing: what counts is
+    who was served while requests waited. In each window a tenant's demand is the
+    service (uncached prompt and output tokens) of its requests waiting in it (arrived
+    before its end, not dispatched before its start); its service, that of its requests
+    dispatched in it. The window is contended when the demand exceeds the service
+    given; fair shares divide that service by water filling: no tenant more than it
+    asked, the rest evenly. ``None``: fewer than two tenants, or never contended."""
+    done = [r for r in records if r.tenant is not None and r.finish_s is not None]
+    tenants = sorted({r.tenant for r in done if r.tenant is not None})
+    if len(tenants) < 2:
+        return None
+    column = {t: i for i, t in enumerate(tenants)}
+    tenant = np.array([column[r.tenant] for r in done if r.tenant is not None])
+    arrival = np.array([r.arrival_s for r in done])
+    dispatch = np.array([r.dispatched_s for r in done])
+    cost = np.array([_service(r) for r in done], dtype=float)
+    indices = []
+    for start in np.arange(0.0, float(dispatch.max()), window_s):
+        end = start + window_s
+        waiting = (arrival < end) & (dispatch >= start)
+        served = (dispatch >= start) & (dispatch < end)
+        demand = np.bincount(tenant[waiting], cost[waiting], len(tenants))
+        service = np.bincount(tenant[served], cost[served], len(tenants))
+        if demand.sum() <= service.sum() * 1.01 or not service.sum():
+            continue  # not contended: everyone got what it asked
+        shares = np.array(max_min_shares(list(demand), float(service.sum())))
+        x = service[shares > 0] / shares[shares > 0]
+        indices.append(x.sum() ** 2 / (len(x) * (x**2).sum()))
+    return float(np.mean(indices)) if indices else None
+
+
+def max_min_shares(demands: Sequence[float], total: float) -> list[float]:
+    """``total`` divided max-min fairly among ``demands`` (water filling)."""
+    shares = [0.0] * len(demands)
+    left, open_ = total, sorted(range(len(demands)), key=lambda i: demands[i])
+    while open_:
+        even = left / len(open_)
+        smallest = open_[0]
+        if demands[smallest] > even:
+            for i in open_:
+                shares[i] = even
+            return shares
+        shares[smallest] = demands[smallest]
+        left -= demands[smallest]
+        open_.pop(0)
+    return shares
+
+
+TENANT_KEYS = (
+    "label", "tenant", "priority", "requests", "token_hit_rate", "ttft_p50_s", "ttft_p99_s",
+    "queue_wait_p99_s", "service_tokens",
+)  # fmt: skip
+
+
+def tenant_rows(rows: Sequence[Row]) -> list[Row]:
+    """One row per (run, tenant), for the per-tenant table."""
+    return [
+        {"label": row["label"], "tenant": name, **figures}
+        for row in rows
+        for name, figures in (row.get("tenants") or {}).items()
+    ]
 
 
 def model_rows(rows: Sequence[Row]) -> list[Row]:

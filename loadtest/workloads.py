@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message, Tokenizer
+from router.fairness import PRIORITIES, priority_rank
 
 ArrivalMode = Literal["poisson", "closed", "trace"]
 ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")
@@ -59,6 +60,10 @@ class Session:
     #: The model it asks for (``None``: the fleet's only one) and the LoRA adapter on it.
     model: str | None = None
     adapter: str | None = None
+    #: Who sends it (``None``: no tenants), and its requests' class's rank (0:
+    #: interactive, 1: batch; router/fairness.py).
+    tenant: str | None = None
+    priority: int = 0
 
     @property
     def served_name(self) -> str | None:
@@ -124,6 +129,11 @@ class ChatConfig:
     adapters: int = 0
     adapter_share: float = 0.75
     adapter_skew: float = 1.0
+    #: Tenants sharing the fleet, ``NAME=RATE[:batch],...``: each plays a chat service of
+    #: its own (its own system prompts, its cache salted apart) at RATE times
+    #: ``session_rate``, with as many times ``num_sessions``, in the ``interactive``
+    #: class unless marked ``batch``; empty: one service and no tenants.
+    tenants: str = ""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -141,6 +151,25 @@ class ChatConfig:
             raise ValueError("adapters must not be negative and adapter_share lie in [0, 1]")
         if self.adapters and not self.model_names:
             raise ValueError("adapters need a model to sit on: give models")
+        _ = self.tenant_specs  # checks them
+
+    @property
+    def tenant_specs(self) -> tuple[tuple[str, float, int], ...]:
+        """Each tenant's name, rate multiplier and class rank."""
+        specs = []
+        for entry in filter(None, (e.strip() for e in self.tenants.split(","))):
+            name, _, rest = entry.partition("=")
+            rate, _, kind = rest.partition(":")
+            try:
+                multiplier, rank = float(rate), priority_rank(kind or PRIORITIES[0])
+            except ValueError:
+                multiplier, rank = 0.0, -1
+            if not name or multiplier <= 0 or rank < 0:
+                raise ValueError(
+                    f"bad tenant {entry!r}: expected NAME=RATE or NAME=RATE:batch, RATE > 0"
+                )
+            specs.append((name, multiplier, rank))
+        return tuple(specs)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -166,6 +195,8 @@ def _lognormal(rng: np.random.Generator, mean: int) -> int:
 
 def chat_workload(config: ChatConfig | None = None) -> Workload:
     config = config or ChatConfig()
+    if config.tenants:
+        return _tenants_workload(config)
     rng = np.random.default_rng(config.seed)
     apps = [_app_prefix(rng, config, app) for app in range(config.num_apps)]
     popularity = 1.0 / np.arange(1, config.num_apps + 1) ** config.app_skew
@@ -182,6 +213,31 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
     if config.model_names:
         sessions = _with_models(sessions, config)
     return Workload("chat", sessions, config.arrival, config.num_users)
+
+
+def _tenants_workload(config: ChatConfig) -> Workload:
+    """Every tenant's own chat service, played at once, its sessions in start order."""
+    sessions: list[Session] = []
+    for index, (name, multiplier, rank) in enumerate(config.tenant_specs):
+        own = replace(
+            config,
+            tenants="",
+            session_rate=config.session_rate * multiplier,
+            num_sessions=max(1, round(config.num_sessions * multiplier)),
+            seed=config.seed * 1_000 + index + 1,  # its own system prompts and users
+        )
+        for session in chat_workload(own).sessions:
+            sessions.append(
+                replace(
+                    session,
+                    session_id=f"{name}/{session.session_id}",
+                    cache_salt=name,
+                    tenant=name,
+                    priority=rank,
+                )
+            )
+    sessions.sort(key=lambda s: s.start_time_s)
+    return Workload("chat", tuple(sessions), config.arrival, config.num_users)
 
 
 def _with_models(sessions: tuple[Session, ...], config: ChatConfig) -> tuple[Session, ...]:

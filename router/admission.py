@@ -13,10 +13,8 @@ without tenants or classes, a FIFO.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
 
-from router.fairness import FairShare
+from router.fairness import FairQueue, FairShare
 
 
 class Overloaded(Exception):
@@ -27,10 +25,6 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-#: A queue of waiters: a request class's rank and a tenant.
-QueueKey = tuple[int, str | None]
-
-
 class AdmissionQueue:
     """Requests waiting for a replica slot: a FIFO per request class and tenant."""
 
@@ -38,15 +32,11 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.fair = fair or FairShare()
-        self._queues: dict[QueueKey, deque[asyncio.Future[None]]] = {}
+        self._waiters: FairQueue[asyncio.Future[None]] = FairQueue(self.fair)
         self.refused = 0  # requests turned away, queue full or waited too long
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
-
-    def waiting(self) -> dict[QueueKey, int]:
-        """Requests waiting per request class's rank and tenant."""
-        return {key: len(queue) for key, queue in self._queues.items()}
+        return len(self._waiters)
 
     def deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.timeout_s
@@ -59,11 +49,7 @@ class AdmissionQueue:
             raise Overloaded(f"all replicas are busy and {self.max_queued} requests are queued")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        waiting = {t for _, t in self._queues}
-        if tenant not in waiting:
-            self.fair.lift(tenant, waiting)  # back from idle: no banked credit
-        key = (rank, tenant)
-        self._queues.setdefault(key, deque()).append(waiter)
+        self._waiters.push(waiter, tenant, rank)
         try:
             await asyncio.wait_for(waiter, max(deadline - loop.time(), 0.0))
         except TimeoutError:
@@ -75,28 +61,11 @@ class AdmissionQueue:
             raise
         finally:
             if not waiter.done() or waiter.cancelled():
-                self._remove(key, waiter)
+                self._waiters.remove(waiter, tenant, rank)
 
     def slot_freed(self) -> None:
         """A replica finished a request: wake the next one (see the module's doc)."""
-        while self._queues:
-            key = min(self._queues, key=self._order)
-            queue = self._queues[key]
-            waiter = queue.popleft()
-            if not queue:
-                del self._queues[key]
+        while (waiter := self._waiters.pop()) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 return
-
-    def _order(self, key: QueueKey) -> tuple[int, float]:
-        rank, tenant = key
-        return rank, self.fair.service[tenant]
-
-    def _remove(self, key: QueueKey, waiter: asyncio.Future[None]) -> None:
-        queue = self._queues.get(key)
-        if queue is not None:
-            with contextlib.suppress(ValueError):
-                queue.remove(waiter)
-            if not queue:
-                del self._queues[key]

@@ -9,6 +9,7 @@ from replica.api.card import EngineCard
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.tokenizer import DEFAULT_TOKENIZER
+from router.fairness import check_fairness
 from router.policies import POLICIES, PolicyConfig
 
 
@@ -82,6 +83,10 @@ class GatewayConfig:
     #: Requests that may wait for a free replica, and for how long; beyond: 429.
     max_queued: int = 512
     queue_timeout_s: float = 30.0
+    #: Who goes next from that queue (router/fairness.py): ``prefill`` charges each
+    #: tenant the prefill it caused and generated tokens, ``vtc`` every token, ``fcfs``
+    #: none (first come, first served); request classes go first in all three.
+    fairness: str = "prefill"
     #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.
     max_request_bytes: int = 16 * 2**20
     max_prompt_tokens: int = 131_072
@@ -105,6 +110,7 @@ class GatewayConfig:
                   upstream_read_timeout_s=self.upstream_read_timeout_s,
                   upstream_timeout_s=self.upstream_timeout_s,
                   queue_timeout_s=self.queue_timeout_s)  # fmt: skip
+        check_fairness(self.fairness)
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         # seconds are priced as the simulated replica runs, unless told otherwise

@@ -20,17 +20,26 @@ banks no credit it could later spend to starve others.
 
 Request classes order the queue before fairness does: every waiting ``interactive``
 request goes before any ``batch`` one.
+
+The charging is a choice (``--fairness``), so that the three can be compared on one
+workload: ``prefill`` (the above), ``vtc`` (every prompt and generated token, as VTC
+charges) and ``fcfs`` (no tenants: first come, first served within a class).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 #: Request classes, most urgent first (a request's rank is its index), and the header
 #: that names one.
 PRIORITIES = ("interactive", "batch")
 PRIORITY_HEADER = "x-priority"
+#: How tenants are charged (see the module's doc).
+FAIRNESS = ("prefill", "vtc", "fcfs")
 
 
 def priority_rank(name: str) -> int:
@@ -62,3 +71,74 @@ class FairShare:
         floor = min((self.service[t] for t in waiting if t != tenant), default=None)
         if floor is not None and self.service[tenant] < floor:
             self.service[tenant] = floor
+
+
+def check_fairness(mode: str) -> None:
+    if mode not in FAIRNESS:
+        raise ValueError(f"unknown fairness {mode!r}; known: {', '.join(FAIRNESS)}")
+
+
+def dispatch_cost(mode: str, prompt_tokens: int, predicted_uncached_tokens: int) -> int:
+    """What a request is charged when it is dispatched."""
+    if mode == "prefill":
+        return predicted_uncached_tokens
+    return prompt_tokens if mode == "vtc" else 0
+
+
+def final_cost(
+    mode: str,
+    prompt_tokens: int,
+    predicted_uncached_tokens: int,
+    cached_tokens: int | None,
+    generated: int,
+) -> int:
+    """What a request cost in all, once it ended (``cached_tokens``: as the engine
+    reported; ``None``: it did not say, and the prediction stands)."""
+    if mode == "fcfs":
+        return 0
+    if mode == "vtc":
+        return prompt_tokens + generated
+    if cached_tokens is None:
+        return predicted_uncached_tokens + generated
+    return prompt_tokens - cached_tokens + generated
+
+
+class FairQueue(Generic[T]):
+    """Items waiting, a FIFO per request class's rank and tenant: :meth:`pop` takes the
+    oldest of the most urgent class's least-served tenant (ties: the older queue)."""
+
+    def __init__(self, fair: FairShare) -> None:
+        self.fair = fair
+        self._queues: dict[tuple[int, str | None], deque[T]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    def waiting(self) -> dict[tuple[int, str | None], int]:
+        return {key: len(queue) for key, queue in self._queues.items()}
+
+    def push(self, item: T, tenant: str | None, rank: int = 0, front: bool = False) -> None:
+        """Queue ``item`` last in its tenant's queue (``front``: first, as it was before
+        a :meth:`pop` that could not be served)."""
+        waiting = {t for _, t in self._queues}
+        if tenant not in waiting and not front:
+            self.fair.lift(tenant, waiting)  # back from idle: no banked credit
+        queue = self._queues.setdefault((rank, tenant), deque())
+        queue.appendleft(item) if front else queue.append(item)
+
+    def pop(self) -> T | None:
+        if not self._queues:
+            return None
+        key = min(self._queues, key=lambda k: (k[0], self.fair.service[k[1]]))
+        queue = self._queues[key]
+        item = queue.popleft()
+        if not queue:
+            del self._queues[key]
+        return item
+
+    def remove(self, item: T, tenant: str | None, rank: int = 0) -> None:
+        queue = self._queues.get((rank, tenant))
+        if queue is not None and item in queue:
+            queue.remove(item)
+            if not queue:
+                del self._queues[(rank, tenant)]

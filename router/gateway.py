@@ -119,7 +119,8 @@ class Gateway:
                 return states
         deadline = self.admission.deadline()
         while True:  # woken when a slot frees; another request may have taken it
-            await self.admission.wait_turn(deadline, request.tenant, request.priority)
+            tenant = request.tenant if self.config.fairness != "fcfs" else None
+            await self.admission.wait_turn(deadline, tenant, request.priority)
             states = self.available(request)
             if states:
                 return states

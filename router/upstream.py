@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from replica.api import openai as api
 from router.admission import Overloaded
 from router.backends import Backend
+from router.fairness import dispatch_cost, final_cost
 from router.gateway import Gateway
 from router.http_client import Client, UpstreamError
 from router.http_client import Response as Answer
@@ -93,9 +94,12 @@ class Upstream:
             tried.add(backend.state.replica_id)
             gateway.accounting.dispatched(routing, backend.state, policy)
             # its fair share pays the prefill predicted there; corrected when it ends
-            gateway.admission.fair.charge(
-                routing.tenant, routing.predicted_uncached_tokens, routing.weight
+            charge = dispatch_cost(
+                gateway.config.fairness,
+                routing.num_prompt_tokens,
+                routing.predicted_uncached_tokens,
             )
+            gateway.admission.fair.charge(routing.tenant, charge, routing.weight)
             try:
                 return await send(backend, policy)
             except UpstreamFailed as error:
@@ -162,16 +166,12 @@ class Upstream:
         generated: int = 0,
     ) -> None:
         self.gateway.accounting.ended(routing, backend.state, policy, cached, failed)
-        admission = self.gateway.admission
-        # Its fair share was charged the predicted prefill: a failed try costs nothing,
-        # and what the engine says it cached corrects the prediction.
-        charged = routing.predicted_uncached_tokens
-        if failed:
-            cost = 0
-        elif cached is None:
-            cost = charged + generated
-        else:
-            cost = routing.num_prompt_tokens - cached + generated
+        admission, mode = self.gateway.admission, self.gateway.config.fairness
+        # Its fair share was charged at dispatch: a failed try costs nothing, and what
+        # the engine says it cached corrects the prediction.
+        prompt, predicted = routing.num_prompt_tokens, routing.predicted_uncached_tokens
+        cost = 0 if failed else final_cost(mode, prompt, predicted, cached, generated)
+        charged = dispatch_cost(mode, prompt, predicted)
         admission.fair.charge(routing.tenant, cost - charged, routing.weight)
         admission.slot_freed()
 

@@ -1,0 +1,88 @@
+"""Tenants in the replayer: a router's queue when replicas are at ``max_outstanding``,
+served first come first served, by VTC or by the prefill each tenant causes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loadtest.replay import ReplayConfig, ReplayResult, replay
+from loadtest.report import jain_fairness, max_min_shares, replay_row
+from loadtest.workloads import ChatConfig, chat_workload
+
+#: Two steady tenants and one sending 8 times their sessions, on a fleet they saturate.
+TENANTS = ChatConfig(tenants="a=1,b=1,noisy=8", session_rate=0.3, num_sessions=12, num_apps=1)
+FLEET = ReplayConfig(
+    replicas=2, capacity_blocks=2048, host_blocks=0, max_outstanding=8, compute_scale=0.3
+)
+
+
+def run(fairness: str) -> dict:
+    result = replay(chat_workload(TENANTS), replace(FLEET, fairness=fairness), "cache_aware")
+    assert all(r.error is None and r.finish_s is not None for r in result.records)
+    assert max(r.dispatched_s - r.arrival_s for r in result.records) > 0  # some waited
+    assert max_in_flight(result) == FLEET.max_outstanding  # reached, never passed
+    return replay_row(result, fairness)
+
+
+def max_in_flight(result: ReplayResult) -> int:
+    """The most requests any replica held at once, from dispatch to the engine's end."""
+    request_s = result.engines[0].cost.request_s
+    most = 0
+    for replica in range(len(result.engines)):
+        ends = [(r.finish_s - request_s, -1) for r in result.records if r.replica == replica]
+        starts = [(r.dispatched_s, 1) for r in result.records if r.replica == replica]
+        held = 0
+        for _, change in sorted(ends + starts):  # an end before a start at one instant
+            held += change
+            most = max(most, held)
+    return most
+
+
+def test_fair_queues_keep_a_flood_from_delaying_the_steady_tenants():
+    fcfs, vtc, prefill = run("fcfs"), run("vtc"), run("prefill")
+    for row in (fcfs, vtc, prefill):
+        assert set(row["tenants"]) == {"a", "b", "noisy"}
+        assert row["tenants"]["noisy"]["requests"] > 4 * row["tenants"]["a"]["requests"]
+    steady = lambda row: max(row["tenants"][t]["ttft_p99_s"] for t in ("a", "b"))  # noqa: E731
+    # first come, first served: the steady tenants wait as long as the flood
+    assert steady(fcfs) > 0.8 * fcfs["tenants"]["noisy"]["ttft_p99_s"]
+    # fair: the flood waits, they do not (a fifth of FCFS's tail, or better)
+    for row in (vtc, prefill):
+        assert steady(row) < steady(fcfs) / 5
+        assert row["tenants"]["noisy"]["ttft_p99_s"] > 5 * steady(row)
+        assert row["jain_fairness"] > fcfs["jain_fairness"] + 0.2
+    # the queue's order changes who waits, not how well the fleet caches
+    assert abs(prefill["token_hit_rate"] - fcfs["token_hit_rate"]) < 0.02
+
+
+def test_without_a_cap_nothing_waits_and_tenants_are_reported():
+    config = ReplayConfig(replicas=2, capacity_blocks=2048, host_blocks=0)
+    row = replay_row(replay(chat_workload(TENANTS), config, "cache_aware"))
+    assert all(t["queue_wait_p99_s"] == 0 for t in row["tenants"].values())
+    untenanted = replay_row(replay(chat_workload(ChatConfig(num_sessions=8)), config))
+    assert "tenants" not in untenanted
+
+
+def test_a_batch_tenant_waits_behind_interactive_ones():
+    workload = chat_workload(
+        ChatConfig(tenants="chat=1,bulk=8:batch", session_rate=0.3, num_sessions=12, num_apps=1)
+    )
+    row = replay_row(replay(workload, FLEET, "cache_aware"))
+    chat, bulk = row["tenants"]["chat"], row["tenants"]["bulk"]
+    assert (chat["priority"], bulk["priority"]) == ("interactive", "batch")
+    assert chat["queue_wait_p99_s"] < bulk["queue_wait_p99_s"] / 10
+
+
+def test_max_min_shares_fill_small_demands_first():
+    assert max_min_shares([1, 10, 10], 9) == [1, 4, 4]
+    assert max_min_shares([1, 2, 3], 100) == [1, 2, 3]
+    assert max_min_shares([5, 5], 4) == [2, 2]
+    assert jain_fairness([]) is None
+
+
+@pytest.mark.parametrize("spec", ["a", "a=0", "a=x", "a=1:urgent", "=1"])
+def test_bad_tenant_specs_are_named(spec):
+    with pytest.raises(ValueError, match="bad tenant"):
+        ChatConfig(tenants=spec)
