@@ -77,12 +77,11 @@ async def one(client: httpx.AsyncClient, url: str, tenant: Tenant, question: int
             if response.status_code != 200:
                 tenant.failed += 1
                 return
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"content"' in line:
+            first = True
+            async for line in response.aiter_lines():  # read to the end: the slot frees then
+                if first and line.startswith("data: {") and '"content"' in line:
                     tenant.ttfts.append(time.monotonic() - sent)
-                    break
-            async for _ in response.aiter_lines():
-                pass
+                    first = False
     except httpx.HTTPError:
         tenant.failed += 1
 
