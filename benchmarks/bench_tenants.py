@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +140,8 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=0.05)
     parser.add_argument("--max-outstanding", type=int, default=4)
     args = parser.parse_args()
+    # killed (by ``timeout``, say): unwind, so ``running`` stops the servers it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print("| run | tenant | answered | TTFT p50 | TTFT p99 | refused (429) | failed |")
     print("|---|---|---:|---:|---:|---:|---:|")
     report("steady alone", run("prefill", STEADY, args))
