@@ -37,7 +37,7 @@ from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
-from router.fairness import FairQueue, FairShare, check_fairness, dispatch_cost, final_cost
+from router.fairness import FairQueue, FairShare, check_fairness
 from router.models import ModelRoutes, ServedName
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
@@ -258,7 +258,7 @@ class Simulation:
         #: Events and load reports on their way to the routers: time, order, engine, what.
         self._deliveries: list[tuple[float, int, int, object]] = []
         #: Each router's requests waiting for a replica below ``max_outstanding``.
-        self.fair_shares = [FairShare() for _ in self.routers]
+        self.fair_shares = [FairShare(config.fairness) for _ in self.routers]
         self._queues: list[FairQueue[_Waiting]] = [FairQueue(f) for f in self.fair_shares]
 
     def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
@@ -347,7 +347,7 @@ class Simulation:
         )  # fmt: skip
         waiting = _Waiting(session_index, turn_index, routing, prompt, self.now, router)
         if self.config.max_outstanding:  # a gateway's admission: queue when all are full
-            self._queues[router].push(waiting, self._queue_tenant(routing), routing.priority)
+            self._queues[router].push(waiting, routing.tenant, routing.priority)
             self._admit_waiting(router)
         else:
             self._dispatch(waiting, self._serving(waiting))
@@ -360,9 +360,6 @@ class Simulation:
         return routes.serving(ServedName(routing.model or routes.default_model, routing.adapter),
                               replicas)  # fmt: skip
 
-    def _queue_tenant(self, routing: RoutingRequest) -> str | None:
-        return None if self.config.fairness == "fcfs" else routing.tenant
-
     def _admit_waiting(self, router: int) -> None:
         """Dispatch from the router's queue while a replica below ``max_outstanding``
         serves the next in line (as slots free at a gateway)."""
@@ -370,18 +367,14 @@ class Simulation:
         while (waiting := queue.pop()) is not None:
             free = [r for r in self._serving(waiting) if r.outstanding_requests < cap]
             if not free:
-                queue.push(waiting, self._queue_tenant(waiting.routing), waiting.routing.priority,
-                           front=True)  # fmt: skip
+                queue.push(waiting, waiting.routing.tenant, waiting.routing.priority, front=True)
                 return
             self._dispatch(waiting, free)
 
     def _dispatch(self, waiting: _Waiting, candidates: list[ReplicaState]) -> None:
         session_index, turn_index, routing = waiting.session, waiting.turn, waiting.routing
-        session, router, prompt = (
-            self.workload.sessions[session_index],
-            waiting.router,
-            waiting.prompt,
-        )
+        session = self.workload.sessions[session_index]
+        router, prompt = waiting.router, waiting.prompt
         turn = session.turns[turn_index]
         routes, replicas = self.routers[router]
         request_id = routing.request_id
@@ -394,11 +387,8 @@ class Simulation:
         record.shared_prefix_tokens = session.shared_prefix_tokens
         record.predicted_cached_tokens = routing.predicted_cached_tokens
         record.model, record.adapter = session.model, session.adapter
-        record.tenant, record.priority, record.dispatched_s = (
-            routing.tenant,
-            routing.priority,
-            self.now,
-        )
+        record.tenant, record.priority = routing.tenant, routing.priority
+        record.dispatched_s = self.now
         self.records[request_id] = record
         try:
             request = EngineRequest(
@@ -412,9 +402,7 @@ class Simulation:
             return
         self._in_flight[request_id] = (session_index, turn_index, routing, router)
         load.dispatched(policy, routing, replica, now=self.now)
-        mode = self.config.fairness
-        charge = dispatch_cost(mode, routing.num_prompt_tokens, routing.predicted_uncached_tokens)
-        self.fair_shares[router].charge(routing.tenant, charge)
+        self.fair_shares[router].dispatched(routing)
         if not self._stepping[index]:
             self.engines[index].advance_to(self.now)
             self._step(index)
@@ -473,7 +461,9 @@ class Simulation:
                 record.cached_tokens = output.num_cached_tokens
                 record.output_tokens = output.num_output_tokens
                 load.completed(policy, routing, replica, output.num_cached_tokens)
-                self._charge(router, routing, output.num_cached_tokens, output.num_output_tokens)
+                self.fair_shares[router].ended(
+                    routing, output.num_cached_tokens, output.num_output_tokens
+                )
                 freed.add(router)
                 self._finish(session_index, turn_index)
         self._forward_kv_events(index)
@@ -495,15 +485,6 @@ class Simulation:
         self._step(index)
         for router in freed if self.config.max_outstanding else ():
             self._admit_waiting(router)
-
-    def _charge(self, router: int, routing: RoutingRequest, cached: int, generated: int) -> None:
-        """Correct its tenant's charge at dispatch by what the request really cost."""
-        mode, prompt = self.config.fairness, routing.num_prompt_tokens
-        predicted = routing.predicted_uncached_tokens
-        cost = final_cost(mode, prompt, predicted, cached, generated)
-        self.fair_shares[router].charge(
-            routing.tenant, cost - dispatch_cost(mode, prompt, predicted)
-        )
 
     def _finish(self, session_index: int, turn_index: int) -> None:
         """A turn ended: schedule the session's next turn, or the user's next session."""

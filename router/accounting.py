@@ -129,7 +129,9 @@ class Accounting:
             config=config,
             backends=[self._backend_stats(backend) for backend in pool.backends],
             tenants={
-                name: replace(counts.stats(), charged_tokens=admission.fair.charged_tokens[name])
+                name: replace(
+                    counts.stats(), charged_tokens=admission.fair.charged_tokens.get(name, 0)
+                )
                 for name, counts in self.tenants.items()
             },
             totals=self.totals.stats(),

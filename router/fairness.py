@@ -30,7 +30,10 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from router.policies import RoutingRequest
 
 T = TypeVar("T")
 
@@ -53,12 +56,45 @@ def priority_rank(name: str) -> int:
 
 
 class FairShare:
-    """Each tenant's service so far, in weighted tokens (``None``: tenant-less)."""
+    """Each tenant's service so far, in weighted tokens (``None``: tenant-less), charged
+    as ``mode`` says (one of :data:`FAIRNESS`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "prefill") -> None:
+        check_fairness(mode)
+        self.mode = mode
         self.service: defaultdict[str | None, float] = defaultdict(float)
         #: Tokens charged, unweighted: what each tenant cost the fleet.
         self.charged_tokens: defaultdict[str | None, int] = defaultdict(int)
+
+    def queue_key(self, tenant: str | None) -> str | None:
+        """The queue a tenant's requests wait in (``fcfs``: one for all)."""
+        return None if self.mode == "fcfs" else tenant
+
+    def dispatched(self, request: RoutingRequest) -> None:
+        """``request`` was sent to a replica: charge what it is predicted to cost."""
+        self.charge(request.tenant, self._at_dispatch(request), request.weight)
+
+    def ended(
+        self, request: RoutingRequest, cached: int | None, generated: int, failed: bool = False
+    ) -> None:
+        """``request`` ended: correct its charge by what it really cost (a failed try:
+        nothing; ``cached``: as the engine reported, ``None``: the prediction stands)."""
+        cost = 0 if failed else self._in_all(request, cached, generated)
+        self.charge(request.tenant, cost - self._at_dispatch(request), request.weight)
+
+    def _at_dispatch(self, request: RoutingRequest) -> int:
+        if self.mode == "prefill":
+            return request.predicted_uncached_tokens
+        return request.num_prompt_tokens if self.mode == "vtc" else 0
+
+    def _in_all(self, request: RoutingRequest, cached: int | None, generated: int) -> int:
+        if self.mode == "fcfs":
+            return 0
+        if self.mode == "vtc":
+            return request.num_prompt_tokens + generated
+        if cached is None:
+            return request.predicted_uncached_tokens + generated
+        return request.num_prompt_tokens - cached + generated
 
     def charge(self, tenant: str | None, tokens: int, weight: float = 1.0) -> None:
         """Charge ``tokens`` (negative: a refund, when the engine cached more than
@@ -78,31 +114,6 @@ def check_fairness(mode: str) -> None:
         raise ValueError(f"unknown fairness {mode!r}; known: {', '.join(FAIRNESS)}")
 
 
-def dispatch_cost(mode: str, prompt_tokens: int, predicted_uncached_tokens: int) -> int:
-    """What a request is charged when it is dispatched."""
-    if mode == "prefill":
-        return predicted_uncached_tokens
-    return prompt_tokens if mode == "vtc" else 0
-
-
-def final_cost(
-    mode: str,
-    prompt_tokens: int,
-    predicted_uncached_tokens: int,
-    cached_tokens: int | None,
-    generated: int,
-) -> int:
-    """What a request cost in all, once it ended (``cached_tokens``: as the engine
-    reported; ``None``: it did not say, and the prediction stands)."""
-    if mode == "fcfs":
-        return 0
-    if mode == "vtc":
-        return prompt_tokens + generated
-    if cached_tokens is None:
-        return predicted_uncached_tokens + generated
-    return prompt_tokens - cached_tokens + generated
-
-
 class FairQueue(Generic[T]):
     """Items waiting, a FIFO per request class's rank and tenant: :meth:`pop` takes the
     oldest of the most urgent class's least-served tenant (ties: the older queue)."""
@@ -110,9 +121,10 @@ class FairQueue(Generic[T]):
     def __init__(self, fair: FairShare) -> None:
         self.fair = fair
         self._queues: dict[tuple[int, str | None], deque[T]] = {}
+        self._count = 0  # asked on every request: kept, not summed
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues.values())
+        return self._count
 
     def waiting(self) -> dict[tuple[int, str | None], int]:
         return {key: len(queue) for key, queue in self._queues.items()}
@@ -120,11 +132,13 @@ class FairQueue(Generic[T]):
     def push(self, item: T, tenant: str | None, rank: int = 0, front: bool = False) -> None:
         """Queue ``item`` last in its tenant's queue (``front``: first, as it was before
         a :meth:`pop` that could not be served)."""
+        tenant = self.fair.queue_key(tenant)
         waiting = {t for _, t in self._queues}
         if tenant not in waiting and not front:
             self.fair.lift(tenant, waiting)  # back from idle: no banked credit
         queue = self._queues.setdefault((rank, tenant), deque())
         queue.appendleft(item) if front else queue.append(item)
+        self._count += 1
 
     def pop(self) -> T | None:
         if not self._queues:
@@ -132,13 +146,16 @@ class FairQueue(Generic[T]):
         key = min(self._queues, key=lambda k: (k[0], self.fair.service[k[1]]))
         queue = self._queues[key]
         item = queue.popleft()
+        self._count -= 1
         if not queue:
             del self._queues[key]
         return item
 
     def remove(self, item: T, tenant: str | None, rank: int = 0) -> None:
-        queue = self._queues.get((rank, tenant))
+        key = (rank, self.fair.queue_key(tenant))
+        queue = self._queues.get(key)
         if queue is not None and item in queue:
             queue.remove(item)
+            self._count -= 1
             if not queue:
-                del self._queues[(rank, tenant)]
+                del self._queues[key]

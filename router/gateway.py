@@ -24,6 +24,7 @@ from router.admission import AdmissionQueue
 from router.backend_check import BackendCheck
 from router.backends import BackendPool
 from router.config import GatewayConfig
+from router.fairness import FairShare
 from router.hot_prefixes import HotPrefixes
 from router.metrics import GatewayMetrics
 from router.models import ModelRoutes, ServedName
@@ -52,7 +53,9 @@ class Gateway:
             check=check if config.check_backends else None,
             describe_interval_s=config.describe_interval_s,
         )
-        self.admission = AdmissionQueue(config.max_queued, config.queue_timeout_s)
+        self.admission = AdmissionQueue(
+            config.max_queued, config.queue_timeout_s, FairShare(config.fairness)
+        )
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
         self.metrics = GatewayMetrics(self.accounting, self.pool, self.admission)
         board = config.dashboard
@@ -119,8 +122,7 @@ class Gateway:
                 return states
         deadline = self.admission.deadline()
         while True:  # woken when a slot frees; another request may have taken it
-            tenant = request.tenant if self.config.fairness != "fcfs" else None
-            await self.admission.wait_turn(deadline, tenant, request.priority)
+            await self.admission.wait_turn(deadline, request.tenant, request.priority)
             states = self.available(request)
             if states:
                 return states

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from replica.api import openai as api
 from router.admission import Overloaded
 from router.backends import Backend
-from router.fairness import dispatch_cost, final_cost
 from router.gateway import Gateway
 from router.http_client import Client, UpstreamError
 from router.http_client import Response as Answer
@@ -93,13 +92,7 @@ class Upstream:
             backend = gateway.pool.by_state(policy.choose(routing, candidates))
             tried.add(backend.state.replica_id)
             gateway.accounting.dispatched(routing, backend.state, policy)
-            # its fair share pays the prefill predicted there; corrected when it ends
-            charge = dispatch_cost(
-                gateway.config.fairness,
-                routing.num_prompt_tokens,
-                routing.predicted_uncached_tokens,
-            )
-            gateway.admission.fair.charge(routing.tenant, charge, routing.weight)
+            gateway.admission.fair.dispatched(routing)  # corrected when it ends
             try:
                 return await send(backend, policy)
             except UpstreamFailed as error:
@@ -166,14 +159,8 @@ class Upstream:
         generated: int = 0,
     ) -> None:
         self.gateway.accounting.ended(routing, backend.state, policy, cached, failed)
-        admission, mode = self.gateway.admission, self.gateway.config.fairness
-        # Its fair share was charged at dispatch: a failed try costs nothing, and what
-        # the engine says it cached corrects the prediction.
-        prompt, predicted = routing.num_prompt_tokens, routing.predicted_uncached_tokens
-        cost = 0 if failed else final_cost(mode, prompt, predicted, cached, generated)
-        charged = dispatch_cost(mode, prompt, predicted)
-        admission.fair.charge(routing.tenant, cost - charged, routing.weight)
-        admission.slot_freed()
+        self.gateway.admission.fair.ended(routing, cached, generated, failed)
+        self.gateway.admission.slot_freed()
 
     async def _whole(
         self,
