@@ -80,9 +80,14 @@ class ReplayConfig:
     max_loras: int = 1
     #: Requests in flight per replica, beyond which they wait in their router's queue
     #: (a gateway's ``--max-outstanding-per-replica``; 0: no limit and no queue), and
-    #: who goes next from it: ``prefill``, ``vtc`` or ``fcfs`` (router/fairness.py).
+    #: who goes next from it: ``prefill``, ``vtc`` or ``fcfs`` (router/fairness.py),
+    #: tenants' service halving every ``fair_half_life_s`` (0: never, VTC's lift).
     max_outstanding: int = 0
     fairness: str = "prefill"
+    fair_half_life_s: float = 30.0
+    #: Of a replica's ``max_outstanding``, the slots a tenant beyond its share may not
+    #: take (a gateway's ``--fair-reserve-per-replica``; at most all but one).
+    fair_reserve_per_replica: int = 2
 
     def __post_init__(self) -> None:
         if self.fleet:
@@ -94,6 +99,8 @@ class ReplayConfig:
         if self.max_outstanding < 0:
             raise ValueError(f"max_outstanding must not be negative, got {self.max_outstanding}")
         check_fairness(self.fairness)
+        if self.fair_half_life_s < 0 or self.fair_reserve_per_replica < 0:
+            raise ValueError("fair_half_life_s and fair_reserve_per_replica must not be negative")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
@@ -258,7 +265,10 @@ class Simulation:
         #: Events and load reports on their way to the routers: time, order, engine, what.
         self._deliveries: list[tuple[float, int, int, object]] = []
         #: Each router's requests waiting for a replica below ``max_outstanding``.
-        self.fair_shares = [FairShare(config.fairness) for _ in self.routers]
+        self.fair_shares = [
+            FairShare(config.fairness, config.fair_half_life_s, clock=lambda: self.now)
+            for _ in self.routers
+        ]
         self._queues: list[FairQueue[_Waiting]] = [FairQueue(f) for f in self.fair_shares]
 
     def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
@@ -363,13 +373,18 @@ class Simulation:
     def _admit_waiting(self, router: int) -> None:
         """Dispatch from the router's queue while a replica below ``max_outstanding``
         serves the next in line (as slots free at a gateway)."""
-        queue, cap = self._queues[router], self.config.max_outstanding
-        while (waiting := queue.pop()) is not None:
-            free = [r for r in self._serving(waiting) if r.outstanding_requests < cap]
-            if not free:
-                queue.push(waiting, waiting.routing.tenant, waiting.routing.priority, front=True)
-                return
-            self._dispatch(waiting, free)
+        queue = self._queues[router]
+        can_serve = lambda waiting: bool(self._free(waiting))  # noqa: E731
+        while (waiting := queue.pop(can_serve)) is not None:
+            self._dispatch(waiting, self._free(waiting))
+
+    def _free(self, waiting: _Waiting) -> list[ReplicaState]:
+        """The replicas that serve ``waiting`` with a slot free for it: below
+        ``max_outstanding``, less the reserve if its tenant is beyond its share."""
+        cap = self.config.max_outstanding
+        if not self.fair_shares[waiting.router].within_share(waiting.routing):
+            cap -= min(self.config.fair_reserve_per_replica, cap - 1)
+        return [r for r in self._serving(waiting) if r.outstanding_requests < cap]
 
     def _dispatch(self, waiting: _Waiting, candidates: list[ReplicaState]) -> None:
         session_index, turn_index, routing = waiting.session, waiting.turn, waiting.routing

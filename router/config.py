@@ -87,6 +87,13 @@ class GatewayConfig:
     #: tenant the prefill it caused and generated tokens, ``vtc`` every token, ``fcfs``
     #: none (first come, first served); request classes go first in all three.
     fairness: str = "prefill"
+    #: How long a tenant's service counts against it: it halves every this many
+    #: seconds (0: for ever, with VTC's lift of a tenant back from idle).
+    fair_half_life_s: float = 30.0
+    #: Slots per replica that a tenant holding more than its share of the fleet's
+    #: slots may not take (router/fairness.py): free for a lighter tenant's next
+    #: request, so that it does not wait for a flood's to end. At most all but one.
+    fair_reserve_per_replica: int = 2
     #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.
     max_request_bytes: int = 16 * 2**20
     max_prompt_tokens: int = 131_072
@@ -111,6 +118,8 @@ class GatewayConfig:
                   upstream_timeout_s=self.upstream_timeout_s,
                   queue_timeout_s=self.queue_timeout_s)  # fmt: skip
         check_fairness(self.fairness)
+        _at_least(0, fair_half_life_s=self.fair_half_life_s,
+                  fair_reserve_per_replica=self.fair_reserve_per_replica)  # fmt: skip
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         # seconds are priced as the simulated replica runs, unless told otherwise

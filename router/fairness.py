@@ -14,9 +14,16 @@ cache-aware idea of DLPM, arXiv 2501.14312):
 - at the end, corrected by what the engine reported it had cached, plus the tokens
   it generated.
 
-Each charge is divided by the tenant's weight. As in VTC, a tenant that starts waiting
-after being idle is lifted to the least service among those waiting, so idle time
-banks no credit it could later spend to starve others.
+Each charge is divided by the tenant's weight. Service is what a tenant received
+lately, not since the gateway started: it decays with a half-life (``half_life_s``,
+30 s by default). A tenant that sends less than its share then keeps less service
+than one that floods and goes first whenever it waits, so its first token does not
+wait on the flood; and idle time banks at most the service others receive within a
+few half-lives, so a tenant back from idle cannot starve others for long. VTC instead
+keeps counters for ever and lifts a tenant that starts waiting after being idle to
+the least service among those waiting (``half_life_s=0`` does that): it bounds how
+far service drifts apart, but puts a returning light tenant level with the flood, so
+it waits its turn in a rotation with it.
 
 Request classes order the queue before fairness does: every waiting ``interactive``
 request goes before any ``batch`` one.
@@ -28,8 +35,10 @@ charges) and ``fcfs`` (no tenants: first come, first served within a class).
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -56,13 +65,26 @@ def priority_rank(name: str) -> int:
 
 
 class FairShare:
-    """Each tenant's service so far, in weighted tokens (``None``: tenant-less), charged
-    as ``mode`` says (one of :data:`FAIRNESS`)."""
+    """Each tenant's recent service, in weighted tokens (``None``: tenant-less), charged
+    as ``mode`` says (one of :data:`FAIRNESS`) and halved every ``half_life_s`` of
+    ``clock`` (0: kept for ever, with VTC's lift)."""
 
-    def __init__(self, mode: str = "prefill") -> None:
+    def __init__(
+        self,
+        mode: str = "prefill",
+        half_life_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         check_fairness(mode)
+        if half_life_s < 0:
+            raise ValueError(f"the half-life must not be negative, got {half_life_s:g}")
         self.mode = mode
-        self.service: defaultdict[str | None, float] = defaultdict(float)
+        self.half_life_s = half_life_s
+        self.clock = clock
+        self._service: dict[str | None, tuple[float, float]] = {}  # value, when
+        self.in_flight: defaultdict[str | None, int] = defaultdict(int)
+        self._weights: dict[str | None, float] = {}
+        self._last_dispatch: dict[str | None, float] = {}
         #: Tokens charged, unweighted: what each tenant cost the fleet.
         self.charged_tokens: defaultdict[str | None, int] = defaultdict(int)
 
@@ -72,7 +94,11 @@ class FairShare:
 
     def dispatched(self, request: RoutingRequest) -> None:
         """``request`` was sent to a replica: charge what it is predicted to cost."""
-        self.charge(request.tenant, self._at_dispatch(request), request.weight)
+        tenant = request.tenant
+        self.charge(tenant, self._at_dispatch(request), request.weight)
+        self.in_flight[tenant] += 1
+        self._weights[tenant] = request.weight
+        self._last_dispatch[tenant] = self.clock()
 
     def ended(
         self, request: RoutingRequest, cached: int | None, generated: int, failed: bool = False
@@ -81,6 +107,28 @@ class FairShare:
         nothing; ``cached``: as the engine reported, ``None``: the prediction stands)."""
         cost = 0 if failed else self._in_all(request, cached, generated)
         self.charge(request.tenant, cost - self._at_dispatch(request), request.weight)
+        self.in_flight[request.tenant] -= 1
+
+    def within_share(self, request: RoutingRequest) -> bool:
+        """Whether ``request``'s tenant has received no more than its share of the
+        service of the tenants active now (in flight, or sent within a half-life):
+        its service per unit of weight is at most theirs. Such a tenant may take the
+        slots kept in reserve, so that a light tenant finds one free while a flood
+        holds the rest."""
+        tenant = request.tenant
+        if self.mode == "fcfs" or tenant is None:
+            return True
+        now, recent = self.clock(), self.half_life_s
+        weights = {
+            t: w
+            for t, w in self._weights.items()
+            if self.in_flight[t] > 0 or now - self._last_dispatch[t] < recent
+        }
+        weights[tenant] = request.weight
+        if len(weights) == 1:
+            return True  # alone: the whole fleet is its share
+        service = sum(w * self.standing(t) for t, w in weights.items())  # standing is per weight
+        return self.standing(tenant) <= service / sum(weights.values())
 
     def _at_dispatch(self, request: RoutingRequest) -> int:
         if self.mode == "prefill":
@@ -99,14 +147,27 @@ class FairShare:
     def charge(self, tenant: str | None, tokens: int, weight: float = 1.0) -> None:
         """Charge ``tokens`` (negative: a refund, when the engine cached more than
         predicted) to ``tenant``."""
-        self.service[tenant] += tokens / weight
+        self._set(tenant, self.standing(tenant) + tokens / weight)
         self.charged_tokens[tenant] += tokens
 
+    def standing(self, tenant: str | None) -> float:
+        """``tenant``'s service now: the least goes next."""
+        value, when = self._service.get(tenant, (0.0, 0.0))
+        if not self.half_life_s or not value:
+            return value
+        return value * math.exp2((when - self.clock()) / self.half_life_s)
+
+    def _set(self, tenant: str | None, value: float) -> None:
+        self._service[tenant] = (value, self.clock())
+
     def lift(self, tenant: str | None, waiting: Iterable[str | None]) -> None:
-        """``tenant`` starts waiting: no less service than the least of those waiting."""
-        floor = min((self.service[t] for t in waiting if t != tenant), default=None)
-        if floor is not None and self.service[tenant] < floor:
-            self.service[tenant] = floor
+        """``tenant`` starts waiting: without decay, no less service than the least of
+        those waiting (VTC's rule; decay bounds banked credit by itself)."""
+        if self.half_life_s:
+            return
+        floor = min((self.standing(t) for t in waiting if t != tenant), default=None)
+        if floor is not None and self.standing(tenant) < floor:
+            self._set(tenant, floor)
 
 
 def check_fairness(mode: str) -> None:
@@ -116,7 +177,8 @@ def check_fairness(mode: str) -> None:
 
 class FairQueue(Generic[T]):
     """Items waiting, a FIFO per request class's rank and tenant: :meth:`pop` takes the
-    oldest of the most urgent class's least-served tenant (ties: the older queue)."""
+    oldest of the most urgent class's least-served tenant (ties: the older queue), or
+    the first in that order that can be served."""
 
     def __init__(self, fair: FairShare) -> None:
         self.fair = fair
@@ -140,16 +202,24 @@ class FairQueue(Generic[T]):
         queue.appendleft(item) if front else queue.append(item)
         self._count += 1
 
-    def pop(self) -> T | None:
-        if not self._queues:
-            return None
-        key = min(self._queues, key=lambda k: (k[0], self.fair.service[k[1]]))
-        queue = self._queues[key]
-        item = queue.popleft()
-        self._count -= 1
-        if not queue:
-            del self._queues[key]
-        return item
+    def pop(self, can_serve: Callable[[T], bool] | None = None) -> T | None:
+        """The next item, or with ``can_serve`` the next that it accepts (a tenant
+        beyond its share cannot take the reserve another tenant can): only the head
+        of each queue is asked, so each tenant's requests stay in order."""
+        order = lambda key: (key[0], self.fair.standing(key[1]))  # noqa: E731
+        if can_serve is None:
+            keys = [min(self._queues, key=order)] if self._queues else []
+        else:
+            keys = sorted(self._queues, key=order)
+        for key in keys:
+            queue = self._queues[key]
+            if can_serve is None or can_serve(queue[0]):
+                item = queue.popleft()
+                self._count -= 1
+                if not queue:
+                    del self._queues[key]
+                return item
+        return None
 
     def remove(self, item: T, tenant: str | None, rank: int = 0) -> None:
         key = (rank, self.fair.queue_key(tenant))

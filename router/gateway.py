@@ -54,7 +54,10 @@ class Gateway:
             describe_interval_s=config.describe_interval_s,
         )
         self.admission = AdmissionQueue(
-            config.max_queued, config.queue_timeout_s, FairShare(config.fairness)
+            config.max_queued,
+            config.queue_timeout_s,
+            FairShare(config.fairness, config.fair_half_life_s),
+            can_serve=lambda request: bool(self.available(request)),
         )
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
         self.metrics = GatewayMetrics(self.accounting, self.pool, self.admission)
@@ -116,16 +119,19 @@ class Gateway:
         """The replicas of the request's model with a free slot, once its turn has
         come; raises :class:`~router.admission.Overloaded` when the queue is full or too
         slow."""
-        if not len(self.admission):
+        # None waits, or this tenant is within its share: a free slot is one the waiting
+        # could not take (the reserve), or is about to be taken (one is woken for it).
+        if not len(self.admission) or self.admission.fair.within_share(request):
             states = self.available(request)
             if states:
                 return states
-        deadline = self.admission.deadline()
+        deadline, again = self.admission.deadline(), False
         while True:  # woken when a slot frees; another request may have taken it
-            await self.admission.wait_turn(deadline, request.tenant, request.priority)
+            await self.admission.wait_turn(deadline, request, again)
             states = self.available(request)
             if states:
                 return states
+            again = True
 
     def serving(self, request: RoutingRequest) -> list[ReplicaState]:
         """Healthy replicas that serve the request's model (and adapter)."""
@@ -136,9 +142,13 @@ class Gateway:
         return self.models.serving(served, states)
 
     def available(self, request: RoutingRequest) -> list[ReplicaState]:
-        """Those of :meth:`serving` below their cap of requests in flight."""
+        """Those of :meth:`serving` below their cap of requests in flight (less the
+        reserve, for a tenant beyond its share: router/fairness.py)."""
+        states = self.serving(request)
         limit = self.config.max_outstanding_per_replica
-        return [s for s in self.serving(request) if s.outstanding_requests < limit]
+        if not self.admission.fair.within_share(request):
+            limit -= min(self.config.fair_reserve_per_replica, limit - 1)
+        return [s for s in states if s.outstanding_requests < limit]
 
     def stats(self) -> GatewayStats:
         return self.accounting.stats(self.policy_name, self.config, self.pool, self.admission)

@@ -13,6 +13,7 @@ from deploy.processes import running
 from replica.api import stats as stats_codec
 from router.admission import AdmissionQueue
 from router.fairness import FairShare
+from router.policies import RoutingRequest
 from router.stats import GatewayStats
 from router.tenants import ApiKeys, Tenant
 
@@ -23,7 +24,7 @@ async def served_order(queue: AdmissionQueue, arrivals: list[tuple[str | None, i
     order: list[int] = []
 
     async def wait(i: int, tenant: str | None, rank: int) -> None:
-        await queue.wait_turn(queue.deadline(), tenant, rank)
+        await queue.wait_turn(queue.deadline(), request(tenant, rank))
         order.append(i)
 
     tasks = []
@@ -35,6 +36,10 @@ async def served_order(queue: AdmissionQueue, arrivals: list[tuple[str | None, i
         await woken(order, served)
     await asyncio.gather(*tasks)
     return order
+
+
+def request(tenant: str | None, rank: int = 0) -> RoutingRequest:
+    return RoutingRequest("r", 10, [], tenant=tenant, priority=rank)
 
 
 async def woken(order: list, count: int) -> None:
@@ -49,7 +54,8 @@ def test_without_tenants_or_classes_the_queue_is_first_come_first_served():
 
 
 def test_the_least_served_tenant_goes_next_and_idle_time_banks_no_credit():
-    fair = FairShare()
+    """VTC's counters (no decay): a tenant back from idle is lifted to the flood's."""
+    fair = FairShare(half_life_s=0)
     fair.charge("flood", 10_000)  # it has had the fleet to itself
     fair.charge("steady", 500)  # long ago: it has been idle since
     queue = AdmissionQueue(max_queued=16, timeout_s=5, fair=fair)
@@ -58,13 +64,13 @@ def test_the_least_served_tenant_goes_next_and_idle_time_banks_no_credit():
         order: list[str] = []
 
         async def wait(tenant: str) -> None:
-            await queue.wait_turn(queue.deadline(), tenant)
+            await queue.wait_turn(queue.deadline(), request(tenant))
             order.append(tenant)
             fair.charge(tenant, 1_000)  # what its prefill cost
 
         tasks = [asyncio.create_task(wait(t)) for t in ["flood"] * 4 + ["steady"] * 2]
         await asyncio.sleep(0)
-        assert fair.service["steady"] == 10_000  # lifted to flood's: no banked credit
+        assert fair.standing("steady") == 10_000  # lifted to flood's: no banked credit
         for served in range(1, len(tasks) + 1):
             queue.slot_freed()
             await woken(order, served)
@@ -76,6 +82,72 @@ def test_the_least_served_tenant_goes_next_and_idle_time_banks_no_credit():
     assert asyncio.run(charged_as_served()) == expected
 
 
+def test_service_decays_so_a_light_tenant_goes_before_a_flood():
+    """With a half-life, what counts is recent service: a tenant that sends little
+    goes first whenever it waits, and old service fades (no lift is needed: idle
+    time banks at most what decays away)."""
+    now = [0.0]
+    fair = FairShare(half_life_s=10, clock=lambda: now[0])
+    fair.charge("flood", 10_000)
+    fair.charge("steady", 500)
+    now[0] = 10.0
+    assert fair.standing("flood") == pytest.approx(5_000)
+    assert fair.standing("steady") == pytest.approx(250)
+    queue = AdmissionQueue(max_queued=16, timeout_s=5, fair=fair)
+    arrivals = [("flood", 0)] * 3 + [("steady", 0)] * 2
+    assert asyncio.run(served_order(queue, arrivals)) == [3, 4, 0, 1, 2]
+    now[0] = 1_000.0  # long idle: both back at nothing, no credit banked
+    assert fair.standing("flood") < 1e-20 and fair.standing("steady") < 1e-20
+    with pytest.raises(ValueError, match="half-life"):
+        FairShare(half_life_s=-1)
+
+
+def test_a_tenant_beyond_its_share_may_not_take_the_reserve_and_is_passed_over():
+    now = [0.0]
+    fair = FairShare(half_life_s=30, clock=lambda: now[0])
+    flood, light = request("flood"), request("light")
+    for _ in range(6):
+        fair.dispatched(flood)
+        fair.charge("flood", 1_000)
+    assert fair.within_share(flood)  # alone: the whole fleet is its share
+    fair.dispatched(light)
+    fair.ended(light, cached=0, generated=0)
+    assert fair.in_flight["light"] == 0 and fair.in_flight["flood"] == 6
+    # light was active within the half-life: flood has had more than the average
+    assert not fair.within_share(flood) and fair.within_share(light)
+    now[0] = 31.0  # light long gone and flood's requests ended: flood alone again
+    for _ in range(6):
+        fair.ended(flood, cached=None, generated=0)
+    assert fair.within_share(flood)
+    assert FairShare("fcfs").within_share(flood) and fair.within_share(request(None))
+    weighted = FairShare(half_life_s=30, clock=lambda: now[0])
+    gold = RoutingRequest("g", 10, [], tenant="gold", weight=3)
+    for tenant, weight in (gold, 3.0), (flood, 1.0):
+        weighted.dispatched(tenant)
+        weighted.charge(tenant.tenant, 2_990, weight)  # 3,000 tokens each in all
+    assert weighted.within_share(gold) and not weighted.within_share(flood)
+
+    # A freed reserve slot goes to the first waiter that may take it.
+    queue = AdmissionQueue(16, 5, FairShare(), can_serve=lambda r: r.tenant != "flood")
+    arrivals = [("flood", 0), ("light", 0)]
+
+    async def first_woken() -> str:
+        tasks = [
+            asyncio.create_task(queue.wait_turn(queue.deadline(), request(t, rank)))
+            for t, rank in arrivals
+        ]
+        await asyncio.sleep(0)
+        queue.slot_freed()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return arrivals[tasks.index(done.pop())][0]
+
+    assert asyncio.run(first_woken()) == "light"
+    assert len(queue) == 0
+
+
 def test_interactive_requests_go_before_batch_ones_whatever_the_service():
     fair = FairShare()
     fair.charge("chat", 50_000)  # far more service than the batch tenant
@@ -85,10 +157,10 @@ def test_interactive_requests_go_before_batch_ones_whatever_the_service():
 
 
 def test_weights_divide_the_charge():
-    fair = FairShare()
+    fair = FairShare(half_life_s=0)
     fair.charge("gold", 3_000, weight=3)
     fair.charge("bronze", 3_000)
-    assert fair.service["gold"] == 1_000 and fair.service["bronze"] == 3_000
+    assert fair.standing("gold") == 1_000 and fair.standing("bronze") == 3_000
     assert fair.charged_tokens["gold"] == fair.charged_tokens["bronze"] == 3_000
 
 
