@@ -117,8 +117,14 @@ class Accounting:
             counts.cached_tokens += cached
 
     def stats(
-        self, policy: str, config: GatewayConfig, pool: BackendPool, admission: AdmissionQueue
+        self,
+        policy: str,
+        config: GatewayConfig,
+        pool: BackendPool,
+        admission: AdmissionQueue,
+        footprint: dict[str, dict[str, int]] | None = None,
     ) -> GatewayStats:
+        footprint = footprint or {}
         return GatewayStats(
             policy=policy,
             retries=self.retries,
@@ -130,7 +136,9 @@ class Accounting:
             backends=[self._backend_stats(backend) for backend in pool.backends],
             tenants={
                 name: replace(
-                    counts.stats(), charged_tokens=admission.fair.charged_tokens.get(name, 0)
+                    counts.stats(),
+                    charged_tokens=admission.fair.charged_tokens.get(name, 0),
+                    gpu_blocks=footprint.get(name, {}),
                 )
                 for name, counts in self.tenants.items()
             },

@@ -29,7 +29,11 @@ from router.hot_prefixes import HotPrefixes
 from router.metrics import GatewayMetrics
 from router.models import ModelRoutes, ServedName
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
+from router.policies.indexed import IndexedPolicy
 from router.stats import GatewayStats
+
+#: The most cache salts whose tenant the gateway remembers.
+MAX_SALTS = 65_536
 
 
 class Gateway:
@@ -60,7 +64,12 @@ class Gateway:
             can_serve=lambda request: bool(self.available(request)),
         )
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
-        self.metrics = GatewayMetrics(self.accounting, self.pool, self.admission)
+        self.metrics = GatewayMetrics(
+            self.accounting, self.pool, self.admission, self.tenant_footprint
+        )
+        #: Which tenant each cache salt seen belongs to: blocks in the index carry the
+        #: salt only. Bounded: salts a tenant's own ``cache_salt`` spells are unbounded.
+        self.salt_tenants: dict[str, str] = {}
         board = config.dashboard
         self.hot_prefixes = HotPrefixes(
             board.hot_prefixes_kept, board.hot_prefix_half_life, board.hot_prefix_sample_tokens
@@ -108,12 +117,33 @@ class Gateway:
         """Hash the prompt as a replica will: seeded by model (or adapter) and salt."""
         served = served or ServedName(self.config.model)
         seed = identity_seed(served.name, cache_salt)  # one short hash, no cache to grow
+        if tenant is not None and cache_salt is not None:
+            self._learn_salt(cache_salt, tenant)
         hashes = prefix_keys(prompt, self.config.routing.stride_tokens, seed)
         self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
         return RoutingRequest(
             api.new_id("route"), len(prompt), hashes, tenant=tenant,
             model=served.model, adapter=served.adapter,
         )  # fmt: skip
+
+    def _learn_salt(self, salt: str, tenant: str) -> None:
+        if salt not in self.salt_tenants and len(self.salt_tenants) < MAX_SALTS:
+            self.salt_tenants[salt] = tenant
+
+    def tenant_footprint(self) -> dict[str, dict[str, int]]:
+        """Each tenant's blocks on each replica's GPU (by replica id), as the precise
+        indexes know them from the replicas' events."""
+        footprint: dict[str, dict[str, int]] = {}
+        for policy in self.models.policies.values():
+            if not isinstance(policy, IndexedPolicy):
+                continue
+            for replica_id in policy.index.replicas:
+                for salt, blocks in policy.index.gpu_blocks_by_salt(replica_id).items():
+                    tenant = self.salt_tenants.get(salt) if salt is not None else None
+                    if tenant is not None:
+                        held = footprint.setdefault(tenant, {})
+                        held[replica_id] = held.get(replica_id, 0) + blocks
+        return footprint
 
     async def admit(self, request: RoutingRequest) -> list[ReplicaState]:
         """The replicas of the request's model with a free slot, once its turn has
@@ -151,4 +181,6 @@ class Gateway:
         return [s for s in states if s.outstanding_requests < limit]
 
     def stats(self) -> GatewayStats:
-        return self.accounting.stats(self.policy_name, self.config, self.pool, self.admission)
+        return self.accounting.stats(
+            self.policy_name, self.config, self.pool, self.admission, self.tenant_footprint()
+        )

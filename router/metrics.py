@@ -50,14 +50,18 @@ class GatewayMetrics:
     """The registry ``GET /metrics`` renders."""
 
     def __init__(
-        self, accounting: Accounting, pool: BackendPool, admission: AdmissionQueue
+        self,
+        accounting: Accounting,
+        pool: BackendPool,
+        admission: AdmissionQueue,
+        footprint: Callable[[], Mapping[str, Mapping[str, int]]] = dict,
     ) -> None:
         self._accounting, self._pool, self._admission = accounting, pool, admission
         self.registry = CollectorRegistry()
         self.registry.register(self)
         #: Apart: who sends what is an administrator's to see when keys are configured.
         self.tenant_registry = CollectorRegistry()
-        self.tenant_registry.register(TenantMetrics(accounting))
+        self.tenant_registry.register(TenantMetrics(accounting, footprint))
         ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
         self.overhead = Histogram(
             "prefix_router_gateway_overhead_seconds",
@@ -169,10 +173,15 @@ def _request_families(label: str, counts_by: Mapping[str, RequestCounts]) -> Ite
 
 
 class TenantMetrics:
-    """The ``prefix_router_tenant_*`` families, read from the accounting at scrape time."""
+    """The ``prefix_router_tenant_*`` families, read from the accounting at scrape time,
+    and each tenant's blocks on each replica's GPU (``footprint``: tenant -> replica
+    id -> blocks)."""
 
-    def __init__(self, accounting: Accounting) -> None:
+    def __init__(
+        self, accounting: Accounting, footprint: Callable[[], Mapping[str, Mapping[str, int]]]
+    ) -> None:
         self._accounting = accounting
+        self._footprint = footprint
 
     def collect(self) -> Iterable[Metric]:
         tenants = self._accounting.tenants
@@ -181,3 +190,12 @@ class TenantMetrics:
             for tenant, counts in tenants.items():
                 family.add_metric([tenant], read(counts))
             yield family
+        blocks = GaugeMetricFamily(
+            "prefix_router_tenant_gpu_blocks",
+            "Blocks a tenant's prompts hold on a replica's GPU, from its KV events.",
+            labels=["tenant", "replica"],
+        )
+        for tenant, by_replica in self._footprint().items():
+            for replica, held in by_replica.items():
+                blocks.add_metric([tenant, replica], held)
+        yield blocks

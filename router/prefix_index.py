@@ -231,6 +231,14 @@ class PrefixIndex:
         bit = self._bits.get(replica_id)
         return 0 if bit is None else sum(s.size(bit) for s in sets)
 
+    def gpu_blocks_by_salt(self, replica_id: str) -> dict[str | None, int]:
+        """Precise mode: the blocks a replica's GPU holds, by the cache salt of their
+        prompt (a tenant's footprint, where the gateway salts by tenant)."""
+        bit = self._bits.get(replica_id)
+        if bit is None or self.stored is None or self._approximate_bits >> bit & 1:
+            return {}
+        return dict(self._keys[bit].gpu_blocks_by_salt)
+
     # --------------------------------------------------------------- queries
 
     def match(self, stride_hashes: Sequence[int]) -> dict[str, int]:

@@ -121,6 +121,9 @@ class TenantStats:
     #: What its fair share was charged (router/fairness.py): the prompt tokens the
     #: engines did not have cached, and the tokens they generated.
     charged_tokens: int = 0
+    #: Its footprint: blocks its prompts hold on each replica's GPU (by replica id),
+    #: from the replicas' KV events (precise routing only).
+    gpu_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

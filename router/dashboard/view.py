@@ -85,6 +85,21 @@ class ModelView:
 
 
 @dataclass(frozen=True)
+class TenantView:
+    """A tenant (API key's name): what it sent, what it was charged for its share of a
+    saturated fleet, and its footprint in the replicas' caches."""
+
+    name: str
+    requests: int
+    errors: int
+    token_hit_rate: float | None
+    charged_tokens: int
+    #: Blocks its prompts hold on the GPUs, in all and on each replica (by id).
+    gpu_blocks: int
+    gpu_blocks_by_replica: dict[str, int]
+
+
+@dataclass(frozen=True)
 class PolicyView:
     requests: int
     errors: int
@@ -132,6 +147,7 @@ class DashboardView:
     policies: dict[str, PolicyView]
     hot_prefixes: list[HotPrefixView]
     models: list[ModelView] = field(default_factory=list)
+    tenants: list[TenantView] = field(default_factory=list)
     #: Per policy, the chart points after the ``since`` the page asked for.
     series: dict[str, list[Point]] = field(default_factory=dict)
     text_shown: bool = False
@@ -225,6 +241,7 @@ def build(
         policies=_policy_views(stats, predicted),
         hot_prefixes=_hot_prefixes(gateway, hot_shown, show_text),
         models=_models(gateway, stats),
+        tenants=_tenants(stats),
         series=history.points(since),
         text_shown=show_text,
     )
@@ -257,6 +274,15 @@ def _replica_view(
         gateway.models.model_of(state) if state else backend.model,
         sorted(loaded) if loaded is not None else None,
     )  # fmt: skip
+
+
+def _tenants(stats: GatewayStats) -> list[TenantView]:
+    views = []
+    for name, t in sorted(stats.tenants.items()):
+        blocks = sum(t.gpu_blocks.values())
+        views.append(TenantView(name, t.requests, t.errors, t.token_hit_rate, t.charged_tokens,
+                                blocks, t.gpu_blocks))  # fmt: skip
+    return views
 
 
 def _models(gateway: Gateway, stats: GatewayStats) -> list[ModelView]:

@@ -65,3 +65,28 @@ def test_tiers_share_chains_and_a_block_is_forgotten_when_no_tier_holds_it():
     assert keys.removed(KVEvent(4, "removed", (3, 2, 1, 0))) == keys_of(tokens)[:1]
     assert keys.removed(KVEvent(5, "removed", (7, 6, 5, 4), medium="CPU")) == keys_of(tokens)[1:2]
     assert len(keys) == 0
+
+
+def test_each_salts_blocks_on_the_gpu_are_counted():
+    """A tenant's footprint: its chains' blocks, counted while the GPU holds them (a
+    copy on the host is not), from a real engine's events and by hand."""
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, host_blocks=0))
+    for salt, length in (("acme", 700), ("globex", 300), (None, 100)):
+        engine.add_request(EngineRequest(str(salt), prompt(length), 1, cache_salt=salt))
+    while engine.has_unfinished:
+        engine.step()
+    keys = EventKeys(DEFAULT_MODEL, BLOCK, STRIDE)
+    for event in engine.cache.events_since(0)[0]:
+        keys.stored(event)
+    assert keys.gpu_blocks_by_salt == {"acme": 43, "globex": 18, None: 6}
+
+    tokens = prompt(16 * 6)
+    keys = EventKeys(DEFAULT_MODEL, BLOCK, STRIDE)
+    keys.stored(stored(range(4), tokens[:64], salt="acme"))
+    keys.stored(stored([4, 5], tokens[64:], parent=3))  # a child: its root's salt
+    assert keys.gpu_blocks_by_salt == {"acme": 6}
+    keys.stored(stored([4, 5], tokens[64:], parent=3, medium="CPU"))  # copied to the host
+    keys.removed(KVEvent(2, "removed", (5, 4)))  # gone from the GPU
+    assert keys.gpu_blocks_by_salt == {"acme": 4}
+    keys.removed(KVEvent(3, "removed", (0, 1, 2, 3)))
+    assert keys.gpu_blocks_by_salt == {}

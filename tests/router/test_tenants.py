@@ -5,6 +5,7 @@ import pytest
 
 from deploy.processes import running
 from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
+from tests.shared import replica_stats, wait_until_indexed
 
 SYSTEM = "You are the assistant of a bank; account numbers follow. " * 40
 
@@ -75,6 +76,13 @@ def test_tenants_are_isolated_through_the_gateway(tmp_path):
             # A request's cache_salt narrows sharing further, within a tenant.
             assert cached(chat(url, "k-acme", cache_salt="project-x")) == 0
             assert cached(chat(url, "k-acme", cache_salt="project-x")) > 500
+            # Each tenant's footprint in the cache, from the replica's events (the same
+            # prompt under three salts: acme holds it twice, globex once).
+            admin = {"authorization": "Bearer k-ops"}
+            wait_until_indexed(url)
+            footprint = httpx.get(f"{url}/stats", headers=admin).json()["tenants"]
+            footprint_metrics = httpx.get(f"{url}/metrics", headers=admin).text
+            cached_blocks = replica_stats(replica).cache.cached_blocks
             # Admin endpoints: a tenant's key is refused, an admin's accepted.
             policy = {"policy": "round_robin"}
             headers = {"authorization": "Bearer k-acme"}
@@ -95,3 +103,10 @@ def test_tenants_are_isolated_through_the_gateway(tmp_path):
     assert tenants["acme"]["requests"] == 4 and tenants["globex"]["requests"] == 2
     assert tenants["globex"]["token_hit_rate"] == pytest.approx(0.5, abs=0.05)
     assert 'prefix_router_tenant_requests_total{tenant="acme"} 4.0' in metrics
+    acme, globex = footprint["acme"]["gpu_blocks"], footprint["globex"]["gpu_blocks"]
+    (replica_id,) = globex
+    assert acme[replica_id] == 2 * globex[replica_id] and globex[replica_id] > 30
+    # the rest: the prompts the gateway probed the replica with, under no tenant
+    assert cached_blocks - 16 < acme[replica_id] + globex[replica_id] < cached_blocks
+    line = f'prefix_router_tenant_gpu_blocks{{replica="{replica_id}",tenant="globex"}}'
+    assert f"{line} {float(globex[replica_id])}" in footprint_metrics

@@ -118,6 +118,25 @@ function renderModels(view) {
   ]);
 }
 
+// Each tenant's requests, charge and blocks on the GPUs (most on one replica, on hover).
+function renderTenants(view) {
+  $("#tenants-section").hidden = !view.tenants.length;
+  fillTable("#tenants", "tenant", view.tenants.map((t) => [t.name, t]), (t) => {
+    const held = Object.entries(t.gpu_blocks_by_replica).sort((a, b) => b[1] - a[1]);
+    const td = cell("gpu_blocks", t.gpu_blocks, int(t.gpu_blocks));
+    td.title = held.map(([replica, blocks]) => `${replica}: ${blocks}`).join("\n");
+    return [
+      cell("name", t.name, t.name),
+      cell("requests", t.requests, int(t.requests)),
+      cell("errors", t.errors, int(t.errors)),
+      cell("token_hit_rate", t.token_hit_rate, pct(t.token_hit_rate)),
+      cell("charged_tokens", t.charged_tokens, int(t.charged_tokens)),
+      td,
+      cell("replicas_held", held.length, held.length ? `${held.length}` : dash),
+    ];
+  });
+}
+
 // How the router knows the replica's cache; why approximately, on hover.
 function routing(r) {
   const approximate = r.routing_mode === "approximate";
@@ -251,6 +270,7 @@ async function refresh() {
   renderFleet(view);
   renderReplicas(view);
   renderModels(view);
+  renderTenants(view);
   renderPolicies(view);
   renderHot(view);
   renderCharts();
