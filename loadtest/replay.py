@@ -37,6 +37,7 @@ from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
+from router.cache_budget import within_budget
 from router.fairness import FairQueue, FairShare, check_fairness
 from router.models import ModelRoutes, ServedName
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
@@ -88,6 +89,9 @@ class ReplayConfig:
     #: Of a replica's ``max_outstanding``, the slots a tenant beyond its share may not
     #: take (a gateway's ``--fair-reserve-per-replica``; at most all but one).
     fair_reserve_per_replica: int = 2
+    #: Tenants' cache budgets, ``NAME=F,...``: each keeps its new prefixes off replicas
+    #: where it holds F of the GPU blocks (a key's ``budget=F``: router/cache_budget.py).
+    cache_budgets: str = ""
 
     def __post_init__(self) -> None:
         if self.fleet:
@@ -99,6 +103,7 @@ class ReplayConfig:
         if self.max_outstanding < 0:
             raise ValueError(f"max_outstanding must not be negative, got {self.max_outstanding}")
         check_fairness(self.fairness)
+        _ = self.tenant_budgets  # checks them
         if self.fair_half_life_s < 0 or self.fair_reserve_per_replica < 0:
             raise ValueError("fair_half_life_s and fair_reserve_per_replica must not be negative")
         if self.routing.model != self.model:  # one model: the routing knobs follow it
@@ -106,6 +111,20 @@ class ReplayConfig:
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
         object.__setattr__(self, "routing", engines)
         self.engine_config()  # checks the replicas' shape
+
+    @property
+    def tenant_budgets(self) -> dict[str, float]:
+        """Each budgeted tenant's cache budget."""
+        budgets = {}
+        for entry in filter(None, (e.strip() for e in self.cache_budgets.split(","))):
+            name, _, value = entry.partition("=")
+            try:
+                budgets[name] = float(value)
+            except ValueError:
+                budgets[name] = 0.0
+            if not name or not 0 < budgets[name] <= 1:
+                raise ValueError(f"bad cache budget {entry!r}: expected NAME=F, 0 < F <= 1")
+        return budgets
 
     @property
     def replica_models(self) -> list[str]:
@@ -270,6 +289,7 @@ class Simulation:
             for _ in self.routers
         ]
         self._queues: list[FairQueue[_Waiting]] = [FairQueue(f) for f in self.fair_shares]
+        self._budgets = config.tenant_budgets
 
     def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
         """One router: its policies (one per model, seeded apart from the other
@@ -354,6 +374,7 @@ class Simulation:
         routing = RoutingRequest(
             request_id, len(prompt), stride_hashes, session=key, model=served.model,
             adapter=served.adapter, tenant=session.tenant, priority=session.priority,
+            cache_budget=self._budgets.get(session.tenant or ""),
         )  # fmt: skip
         waiting = _Waiting(session_index, turn_index, routing, prompt, self.now, router)
         if self.config.max_outstanding:  # a gateway's admission: queue when all are full
@@ -394,7 +415,8 @@ class Simulation:
         routes, replicas = self.routers[router]
         request_id = routing.request_id
         policy = routes.policy(routing.model)
-        replica = policy.choose(routing, candidates)
+        allowed = within_budget(policy, routing, candidates, (session.cache_salt,))
+        replica = policy.choose(routing, allowed)
         index = replicas.index(replica)
         record = RequestRecord(
             request_id, session_index, turn_index, index, waiting.arrival_s, len(prompt)

@@ -187,13 +187,20 @@ def _tenant_routing(
         gateway.accounting.unread_prompts += 1
         routing = RoutingRequest(api.new_id("route"), 0, tenant=name, model=served.model,
                                  adapter=served.adapter)  # fmt: skip
-        routing.priority, routing.weight = _priority(request, tenant), _weight(tenant)
+        _classify(routing, request, tenant)
         return routing, fields
     routing = gateway.routing_request(prompt, salt, name, served)
-    routing.priority, routing.weight = _priority(request, tenant), _weight(tenant)
+    _classify(routing, request, tenant)
     routing.session = _session_key(request, envelope, gateway.config.session_key)
     gateway.accounting.session_requests += routing.session is not None
     return routing, fields
+
+
+def _classify(routing: RoutingRequest, request: Request, tenant: Tenant | None) -> None:
+    """What the tenant's key says of the request: its class, weight and cache budget."""
+    routing.priority = _priority(request, tenant)
+    if tenant is not None:
+        routing.weight, routing.cache_budget = tenant.weight, tenant.cache_budget
 
 
 def _priority(request: Request, tenant: Tenant | None) -> int:
@@ -207,10 +214,6 @@ def _priority(request: Request, tenant: Tenant | None) -> int:
         return max(priority_rank(asked.strip().lower()), floor)
     except ValueError as error:
         raise api.Rejected(str(error), 400, PRIORITY_HEADER) from None
-
-
-def _weight(tenant: Tenant | None) -> float:
-    return tenant.weight if tenant else 1.0
 
 
 def _session_key(request: Request, envelope: Envelope, source: str) -> str | None:

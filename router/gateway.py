@@ -10,6 +10,7 @@ request path is ``router/upstream.py``; the HTTP handlers are ``router/app.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import aiohttp
@@ -19,6 +20,7 @@ from replica.api import openai as api
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import Tokenizer
+from router import cache_budget
 from router.accounting import Accounting
 from router.admission import AdmissionQueue
 from router.backend_check import BackendCheck
@@ -67,9 +69,11 @@ class Gateway:
         self.metrics = GatewayMetrics(
             self.accounting, self.pool, self.admission, self.tenant_footprint
         )
-        #: Which tenant each cache salt seen belongs to: blocks in the index carry the
-        #: salt only. Bounded: salts a tenant's own ``cache_salt`` spells are unbounded.
+        #: Which tenant each cache salt seen belongs to, and each tenant's salts: blocks
+        #: in the index carry the salt only. Bounded: salts a tenant's own
+        #: ``cache_salt`` spells are unbounded.
         self.salt_tenants: dict[str, str] = {}
+        self.tenant_salts: dict[str, set[str]] = {}
         board = config.dashboard
         self.hot_prefixes = HotPrefixes(
             board.hot_prefixes_kept, board.hot_prefix_half_life, board.hot_prefix_sample_tokens
@@ -129,6 +133,7 @@ class Gateway:
     def _learn_salt(self, salt: str, tenant: str) -> None:
         if salt not in self.salt_tenants and len(self.salt_tenants) < MAX_SALTS:
             self.salt_tenants[salt] = tenant
+            self.tenant_salts.setdefault(tenant, set()).add(salt)
 
     def tenant_footprint(self) -> dict[str, dict[str, int]]:
         """Each tenant's blocks on each replica's GPU (by replica id), as the precise
@@ -144,6 +149,15 @@ class Gateway:
                         held = footprint.setdefault(tenant, {})
                         held[replica_id] = held.get(replica_id, 0) + blocks
         return footprint
+
+    def within_budget(
+        self, policy: Policy, request: RoutingRequest, candidates: Sequence[ReplicaState]
+    ) -> Sequence[ReplicaState]:
+        """The candidates a request of a tenant with a cache budget may go to."""
+        if request.cache_budget is None or request.tenant is None:
+            return candidates
+        salts = self.tenant_salts.get(request.tenant, ())
+        return cache_budget.within_budget(policy, request, candidates, salts)
 
     async def admit(self, request: RoutingRequest) -> list[ReplicaState]:
         """The replicas of the request's model with a free slot, once its turn has

@@ -234,10 +234,19 @@ class PrefixIndex:
     def gpu_blocks_by_salt(self, replica_id: str) -> dict[str | None, int]:
         """Precise mode: the blocks a replica's GPU holds, by the cache salt of their
         prompt (a tenant's footprint, where the gateway salts by tenant)."""
-        bit = self._bits.get(replica_id)
-        if bit is None or self.stored is None or self._approximate_bits >> bit & 1:
-            return {}
-        return dict(self._keys[bit].gpu_blocks_by_salt)
+        keys = self._precise_keys(replica_id)
+        return dict(keys.gpu_blocks_by_salt) if keys else {}
+
+    def gpu_blocks_of(self, replica_id: str, salts: Iterable[str | None]) -> int:
+        """Precise mode: the blocks a replica's GPU holds under any of ``salts`` (a
+        tenant's, for its cache budget: router/cache_budget.py)."""
+        keys = self._precise_keys(replica_id)
+        counts = keys.gpu_blocks_by_salt if keys else {}
+        return sum(counts.get(salt, 0) for salt in salts)
+
+    def _precise_keys(self, replica_id: str) -> EventKeys | None:
+        """The keys of a replica known from its events (``None``: not such a one)."""
+        return self._keys.get(self._bits[replica_id]) if self.is_precise(replica_id) else None
 
     # --------------------------------------------------------------- queries
 

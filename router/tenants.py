@@ -6,10 +6,12 @@ tenant's requests therefore carry a salt derived from the tenant's name (and any
 ``cache_salt`` the request names, as vLLM accepts): block identities in the router
 and in the replicas are seeded by it, so two tenants never share a block.
 
-Keys come from a file (one ``KEY TENANT [admin] [weight=W] [class=batch]`` per line,
-``#`` comments) and from the environment
+Keys come from a file (one ``KEY TENANT [admin] [weight=W] [class=batch] [budget=F]``
+per line, ``#`` comments) and from the environment
 (``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin:weight=2"``). A tenant's weight
-and request class order the gateway's queue when the fleet is full (router/fairness.py). Only
+and request class order the gateway's queue when the fleet is full (router/fairness.py);
+its budget, a fraction of each replica's GPU blocks, bounds where its new prefixes are
+computed (router/cache_budget.py). Only
 their SHA-256 digests are kept, so a lookup's timing says nothing about a key's
 bytes. No keys configured: authentication is off and every request is tenant-less.
 """
@@ -36,6 +38,9 @@ class Tenant:
     #: Its requests' class: ``interactive`` or ``batch`` (a request may ask for a
     #: less urgent class than its key's, never a more urgent one).
     priority: str = "interactive"
+    #: The fraction of any replica's GPU blocks it should hold at most (``None``: no
+    #: budget): see router/cache_budget.py.
+    cache_budget: float | None = None
 
 
 class Unauthorized(Exception):
@@ -99,13 +104,13 @@ def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     return "tenant-" + hashlib.sha256(spelled.encode()).hexdigest()
 
 
-USAGE = "KEY TENANT [admin] [weight=W] [class=interactive|batch]"
+USAGE = "KEY TENANT [admin] [weight=W] [class=interactive|batch] [budget=F, 0 < F <= 1]"
 
 
 def _tenant(fields: list[str], where: str) -> Tenant:
     if not fields or not fields[0]:
         raise ValueError(f"{where}: expected {USAGE}")
-    admin, weight, priority = False, 1.0, PRIORITIES[0]
+    admin, weight, priority, budget = False, 1.0, PRIORITIES[0], None
     for option in fields[1:]:
         name, _, value = option.partition("=")
         try:
@@ -115,11 +120,13 @@ def _tenant(fields: list[str], where: str) -> Tenant:
                 weight = float(value)
             elif name == "class":
                 priority = PRIORITIES[priority_rank(value)]
+            elif name == "budget" and 0 < float(value) <= 1:
+                budget = float(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"{where}: bad {option!r}; expected {USAGE}") from None
-    return Tenant(fields[0], admin, weight, priority)
+    return Tenant(fields[0], admin, weight, priority, budget)
 
 
 def _digest(key: str) -> bytes:

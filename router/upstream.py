@@ -89,7 +89,8 @@ class Upstream:
             if not candidates:
                 break
             policy = gateway.policy_of(routing)
-            backend = gateway.pool.by_state(policy.choose(routing, candidates))
+            allowed = gateway.within_budget(policy, routing, candidates)
+            backend = gateway.pool.by_state(policy.choose(routing, allowed))
             tried.add(backend.state.replica_id)
             gateway.accounting.dispatched(routing, backend.state, policy)
             gateway.admission.fair.dispatched(routing)  # corrected when it ends

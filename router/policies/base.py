@@ -104,6 +104,9 @@ class RoutingRequest:
     #: tenant's weight: what orders it in the gateway's queue when replicas are full.
     priority: int = 0
     weight: float = 1.0
+    #: Its tenant's cache budget, a fraction of each replica's GPU blocks (``None``:
+    #: none): where its new prefix may be computed (router/cache_budget.py).
+    cache_budget: float | None = None
 
     @property
     def predicted_uncached_tokens(self) -> int:

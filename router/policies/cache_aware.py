@@ -64,7 +64,7 @@ class CacheAware(IndexedPolicy):
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
-        popular = self._popular_tokens(request)
+        popular = self.popular_tokens(request)
         priced = self._with_session(request, replicas, matched)
         whole_fleet = self.order and len(replicas) == len(self.order)
         adapter = request.adapter if self.adapter_aware else None
@@ -209,7 +209,7 @@ class CacheAware(IndexedPolicy):
         super().on_dispatch(request, replica)
         self.popularity.record(request.stride_hashes)
 
-    def _popular_tokens(self, request: RoutingRequest) -> int:
+    def popular_tokens(self, request: RoutingRequest) -> int:
         """Leading tokens of the request that many recent requests shared."""
         config = self.config
         depth = self.popularity.depth(request.stride_hashes, config.popular_requests)

@@ -43,6 +43,11 @@ class IndexedPolicy(Policy):
     def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> int:
         return self.index.apply_events(replica.replica_id, events)
 
+    def popular_tokens(self, request: RoutingRequest) -> int:
+        """Leading tokens of the request that many recent requests shared (a system
+        prompt, say), as far as the policy tracks it (here: not at all)."""
+        return 0
+
     def _index_capacity(self, replica: ReplicaState) -> int:
         return replica.capacity_blocks
 

@@ -3,6 +3,7 @@ served first come first served, by VTC or by the prefill each tenant causes."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -109,3 +110,30 @@ def test_max_min_shares_fill_small_demands_first():
 def test_bad_tenant_specs_are_named(spec):
     with pytest.raises(ValueError, match="bad tenant"):
         ChatConfig(tenants=spec)
+
+
+def test_a_tenant_at_its_cache_budget_starts_its_conversations_in_one_place():
+    """The flood's new conversations spread over the fleet; with a budget of 5% of each
+    replica's blocks, passed everywhere at once, they start where it holds the most, and
+    the other replicas keep the steady tenants' prefixes."""
+
+    def new_sessions_per_replica(budgets: str) -> list[int]:
+        config = ReplayConfig(
+            replicas=4, capacity_blocks=2048, host_blocks=0, compute_scale=0.3,
+            cache_budgets=budgets,
+        )  # fmt: skip
+        result = replay(chat_workload(TENANTS), config, "cache_aware")
+        first_turns = Counter(
+            r.replica for r in result.records if r.tenant == "noisy" and not r.turn
+        )
+        return sorted(first_turns.values(), reverse=True)
+
+    spread, kept = new_sessions_per_replica(""), new_sessions_per_replica("noisy=0.05")
+    assert sum(spread) == sum(kept) and spread[0] < 0.6 * sum(spread)
+    assert kept[0] > 0.9 * sum(kept)
+
+
+@pytest.mark.parametrize("spec", ["noisy", "noisy=0", "noisy=1.5", "=0.5", "noisy=x"])
+def test_bad_cache_budgets_are_named(spec):
+    with pytest.raises(ValueError, match="bad cache budget"):
+        ReplayConfig(cache_budgets=spec)

@@ -164,15 +164,18 @@ def test_weights_divide_the_charge():
     assert fair.charged_tokens["gold"] == fair.charged_tokens["bronze"] == 3_000
 
 
-def test_keys_carry_a_weight_and_a_class(tmp_path):
+def test_keys_carry_a_weight_a_class_and_a_cache_budget(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text("k1 acme weight=2\nk2 batchco class=batch\nk3 ops admin weight=0.5\n")
+    path.write_text(
+        "k1 acme weight=2\nk2 batchco class=batch\nk3 ops admin weight=0.5\nk5 rag budget=0.25\n"
+    )
     keys = ApiKeys.load(str(path), env={"PREFIX_ROUTER_API_KEYS": "k4=bulk:class=batch:weight=4"})
     assert keys.tenant("Bearer k1") == Tenant("acme", weight=2.0)
     assert keys.tenant("Bearer k2") == Tenant("batchco", priority="batch")
     assert keys.tenant("Bearer k3") == Tenant("ops", admin=True, weight=0.5)
     assert keys.tenant("Bearer k4") == Tenant("bulk", weight=4.0, priority="batch")
-    for bad in ("k acme weight=0", "k acme class=urgent", "k acme root"):
+    assert keys.tenant("Bearer k5") == Tenant("rag", cache_budget=0.25)
+    for bad in ("k acme weight=0", "k acme class=urgent", "k acme root", "k acme budget=1.5"):
         path.write_text(bad + "\n")
         with pytest.raises(ValueError, match=r"keys.txt:1: bad .*expected KEY TENANT"):
             ApiKeys.load(str(path), env={})

@@ -27,7 +27,7 @@ def scan_costs(policy, request: RoutingRequest, fleet: list[ReplicaState]) -> li
     """Every replica priced, as the policy's full scan prices it."""
     matched = policy._matches(request, fleet)
     host = policy._host_matches(request, matched)
-    popular = policy._popular_tokens(request)
+    popular = policy.popular_tokens(request)
     load_of = policy._load_function(sum(r.load_requests for r in fleet), len(fleet))
     prompt_tokens = request.num_prompt_tokens
     costs = []
@@ -82,7 +82,7 @@ def test_the_fleet_path_picks_a_replica_of_the_least_cost(scene, base, length):
         assert costs[fleet.index(chosen)] == min(costs)
     # The very replica of the scan, ties included (the same draw breaks them).
     policy.rng.bit_generator.state = dice
-    popular = policy._popular_tokens(request)
+    popular = policy.popular_tokens(request)
     assert chosen is policy._choose_by_scan(request, fleet, matched, host, popular)
 
 
