@@ -58,8 +58,10 @@ def prompt(length: int, start: int = 1) -> np.ndarray:
     return np.arange(start, start + length, dtype=TOKEN_DTYPE)
 
 
-def gateway_stats(url: str) -> GatewayStats:
-    return stats_codec.decode(GatewayStats, httpx.get(f"{url}/stats").content)
+def gateway_stats(url: str, key: str | None = None) -> GatewayStats:
+    """A gateway's ``/stats``; with an admin's ``key``, its per-tenant figures too."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return stats_codec.decode(GatewayStats, httpx.get(f"{url}/stats", headers=headers).content)
 
 
 def replica_stats(url: str) -> ReplicaStats:

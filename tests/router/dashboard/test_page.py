@@ -19,7 +19,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running, start, stop, wait_until
 from replica.api.identity import DEFAULT_MODEL
-from tests.shared import gateway_stats, replica_stats, settled
+from tests.shared import gateway_stats, replica_stats, settled, wait_until_indexed
 
 pytestmark = pytest.mark.slow
 
@@ -94,9 +94,10 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
         for b in gateway_stats(url).backends))  # fmt: skip
 
     drive_traffic(url)
+    wait_until_indexed(url)  # every block counted in the tenant's footprint
     ended = time.time()
     refreshed_after(browser, ended + 1.0)  # a second sample after the traffic: chart points
-    stats = gateway_stats(url)
+    stats = gateway_stats(url, ADMIN)
     assert stats.totals.requests == 40
     assert browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="requests"]').text == "40"
     hit_rate = browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="token_hit_rate"]')
@@ -135,6 +136,15 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     assert cell(browser, adapter_row, "loaded_on")[1] == first  # its only slot user
     first_row = f'#replicas tr[data-replica="{first}"]'
     assert cell(browser, first_row, "model")[0] == f"{DEFAULT_MODEL} + {ADAPTER}"
+
+    # the tenants table: the key's tenant, its charge and its blocks on the GPUs
+    acme, acme_row = stats.tenants["acme"], '#tenants tr[data-tenant="acme"]'
+    assert browser.find_element(By.ID, "tenants-section").is_displayed()
+    assert cell(browser, acme_row, "requests")[0] == "40"
+    assert cell(browser, acme_row, "charged_tokens")[1] == str(acme.charged_tokens) != "0"
+    held = {r: blocks for r, blocks in acme.gpu_blocks.items() if blocks}
+    assert cell(browser, acme_row, "gpu_blocks")[1] == str(sum(held.values())) != "0"
+    assert cell(browser, acme_row, "replicas_held")[1] == str(len(held))
 
     policy = stats.policies["cache_aware"]
     row = '#policies tr[data-policy="cache_aware"]'
