@@ -9,7 +9,8 @@ INSTALLED := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): pyproject.toml | $(BIN)/python
+# The editable install also compiles replica/api/_prefix_keys.c in place (pyproject.toml).
+$(INSTALLED): pyproject.toml replica/api/_prefix_keys.c | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(INSTALLED)

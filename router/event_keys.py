@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import xxhash
-
-from replica.api.identity import identity_seed
+from replica.api.identity import identity_seed, next_key
 from replica.api.kv_events import KVEvent, Medium
 from replica.api.tokenizer import TOKEN_DTYPE
 
@@ -91,7 +89,7 @@ class EventKeys:
             boundary = depth % stride == 0
             pending = carried + tokens[start:end] if carried else tokens[start:end]
             if boundary:
-                key = xxhash.xxh3_64_intdigest(pending, seed=key)
+                key = next_key(key, pending, first=depth == stride)
                 keys.append(key)
                 carried, start, pending = b"", end, b""
             held = chains.get(block_hash)

@@ -1,7 +1,17 @@
 import numpy as np
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from replica.api.identity import BlockHasher, block_hashes, identity_seed
+from replica.api import identity
+from replica.api.identity import (
+    BlockHasher,
+    block_hashes,
+    identity_seed,
+    prefix_keys,
+    python_next_key,
+    python_prefix_keys,
+)
 from replica.api.tokenizer import TOKEN_DTYPE
 
 tokens = np.arange(200, dtype=TOKEN_DTYPE)
@@ -48,3 +58,34 @@ def test_two_tenants_never_share_an_identity():
 
 def test_models_do_not_share_identities_either():
     assert identity_seed("a") != identity_seed("b")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=700),
+    chunk=st.sampled_from([1, 16, 64, 256]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_the_compiled_keys_are_the_python_loops(tokens, chunk, seed):
+    array = np.array(tokens, dtype=TOKEN_DTYPE)
+    expected = python_prefix_keys(array.tobytes(), chunk * TOKEN_DTYPE.itemsize, seed)
+    assert prefix_keys(array, chunk, seed) == expected
+    assert prefix_keys(array[::1].astype(np.int64), chunk, seed) == expected  # any dtype in
+
+
+def test_the_keys_are_compiled_where_a_compiler_is():
+    # This machine has one (make install builds it): the fast path must be the one in use.
+    assert identity._compiled is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.integers(0, 2**64 - 1), chunk=st.binary(max_size=600), first=st.booleans())
+def test_a_chain_continues_alike_compiled_or_not(key, chunk, first):
+    assert identity.next_key(key, chunk, first) == python_next_key(key, chunk, first)
+
+
+def test_a_chain_continued_from_any_key_gives_the_whole_prompts_keys():
+    keys = prefix_keys(tokens, 16, seed)
+    data = tokens.tobytes()
+    assert keys[0] == block_hashes(tokens, 16, seed)[0]  # the first: a block identity
+    assert keys[5] == identity.next_key(keys[4], data[5 * 64 : 6 * 64], first=False)
