@@ -7,7 +7,9 @@ loopback, our gateway (``cache_aware``, fed by KV events) and SGLang's router
 
 - **Added latency**: short non-streamed completions sent one at a time, alternately
   to a replica and to our gateway; p50 and p99 of both and of the difference.
-  Alternating keeps the machine's noise common to both.
+  Alternating keeps the machine's noise common to both. With ``--prompt-tokens N``,
+  chat turns of a conversation whose N-token history the gateway and the replica have
+  seen (a new question each), and nothing else: what a long agentic or RAG turn pays.
 - **Throughput at saturation**: a closed loop of ``--connections`` clients (one
   asyncio process, keep-alive connections) sends completions for ``--seconds`` to
   each target in turn, for ``--rounds`` rounds: through our gateway, through SGLang's
@@ -29,6 +31,7 @@ import itertools
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import httpx
@@ -39,7 +42,7 @@ from deploy.processes import running
 from loadtest.sglang import sglang_router
 from replica.api.identity import DEFAULT_MODEL
 
-REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "4096", "--host-blocks", "0"]
+REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "32768", "--host-blocks", "0"]
 APPS = 8
 
 
@@ -57,25 +60,47 @@ def bodies(count: int) -> list[dict]:
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     start = time.perf_counter()
-    response = client.post(url + "/v1/completions", json=body)
+    response = client.post(url + path, json=body)
     elapsed = time.perf_counter() - start
     response.raise_for_status()
     return elapsed
 
 
-def added_latency(replica: str, gateway: str, requests: int) -> None:
-    body = {"prompt": "a short question for the fleet", "max_tokens": 1}
+def turns(prompt_tokens: int, stream: bool = False) -> Iterator[dict]:
+    """A short completion again and again; with ``prompt_tokens``, chat turns on one
+    history of about that many tokens (4 bytes each), a new question each."""
+    if not prompt_tokens:
+        yield from itertools.repeat({"prompt": "a short question for the fleet", "max_tokens": 1})
+        return
+    history = [
+        {"role": role, "content": f"Turn {t}: " + "the quarterly figures, line by line. " * 280}
+        for t, role in zip(range(prompt_tokens // 2_500), itertools.cycle(["user", "assistant"]))
+    ]
+    for question in itertools.count():
+        messages = [*history, {"role": "user", "content": f"And question {question}?"}]
+        yield {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 1, "stream": stream}
+
+
+def added_latency(
+    replica: str, gateway: str, requests: int, prompt_tokens: int = 0, stream: bool = False
+) -> None:
     direct, routed = [], []
-    with httpx.Client(timeout=30) as client:
-        for _ in range(50):  # warm up both paths
+    bodies = turns(prompt_tokens, stream)
+    with httpx.Client(timeout=60) as client:
+        for _ in range(50):  # warm up both paths (and both caches with the history)
+            body = next(bodies)
             timed(client, replica, body)
             timed(client, gateway, body)
         for _ in range(requests):
+            body = next(bodies)
             direct.append(timed(client, replica, body))
             routed.append(timed(client, gateway, body))
     d, g = np.array(direct) * 1000, np.array(routed) * 1000
-    print(f"Added latency: {requests} non-streamed short requests each, alternating (ms):")
+    what = f"{prompt_tokens}-token chat turns" if prompt_tokens else "short requests"
+    kind = "streamed" if stream else "non-streamed"
+    print(f"Added latency: {requests} {kind} {what} each, alternating (ms):")
     for name, values in (("direct to replica", d), ("through gateway", g)):
         p50, p99 = np.percentile(values, [50, 99])
         print(f"  {name:<18} p50 {p50:6.3f}   p99 {p99:6.3f}")
@@ -169,7 +194,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0,
+        help="measure only the latency added to chat turns of this long a seen history",
+    )  # fmt: skip
+    parser.add_argument("--stream", action="store_true", help="with --prompt-tokens: streamed")
     args = parser.parse_args(argv)
+    if args.prompt_tokens:
+        with (
+            running(REPLICA) as (replica,),
+            running(["gateway", f"--backend={replica}"]) as (gateway,),
+        ):
+            added_latency(replica, gateway, args.requests, args.prompt_tokens, args.stream)
+        return
     with running(*[REPLICA] * args.replicas) as replicas:
         backends = [f"--backend={url}" for url in replicas]
         with (

@@ -333,10 +333,22 @@ class PrefixIndex:
     # --------------------------------------------------------------- updates
 
     def record_routing(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
-        """The request went to ``replica_id``: assume its prompt is cached there now."""
+        """The request went to ``replica_id``: assume its prompt is cached there now.
+
+        Of a replica known from its events, only the part its events do not show yet is
+        recorded (a decision stands in for events until they arrive): a conversation's
+        next turn costs its new strides, not its whole history again.
+        """
         bit = self._bits.get(replica_id)
-        if bit is not None:
-            self.routed.add(bit, stride_hashes)
+        if bit is None:
+            return
+        if self.stored is not None and self.is_precise(replica_id) and stride_hashes:
+            held = self.stored.holders.get
+            shown = self._first_drop(
+                lambda depth: held(stride_hashes[depth], 0), 1 << bit, 0, len(stride_hashes)
+            )
+            stride_hashes = stride_hashes[shown:]
+        self.routed.add(bit, stride_hashes)
 
     def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> int:
         """Precise mode: mirror a replica's stored / removed / cleared blocks. A block

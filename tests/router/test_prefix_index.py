@@ -88,6 +88,23 @@ def test_precise_mode_counts_recent_routing_until_events_arrive(clock):
     assert index.match(stride_hashes(prompt(256))).get("c", 0) == 0
 
 
+def test_a_decision_records_only_what_the_replicas_events_do_not_show(clock):
+    index = make_index("precise", clock, recent_s=2.0)
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    engine.add_request(EngineRequest("r", prompt(700), 1))
+    while engine.has_unfinished:
+        engine.step()
+    index.apply_events("b", engine.cache.events_since(0)[0])  # 640 tokens: 10 strides
+    next_turn = stride_hashes(prompt(1000))  # 15 strides, the first 10 shown by events
+    index.record_routing("b", next_turn)
+    assert index.routed.size(index._bits["b"]) == 5  # its new strides, not its history
+    assert index.match(next_turn) == {"b": 960}
+    clock.now = 3.0  # the decision expires; the events still say what is there
+    assert index.match(next_turn) == {"b": 640}
+    index.record_routing("a", next_turn)  # nothing shown on "a": all of it recorded
+    assert index.routed.size(index._bits["a"]) == 15
+
+
 def test_a_cleared_event_forgets_everything_of_that_replica():
     index = make_index("precise")
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
