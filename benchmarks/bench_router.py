@@ -82,16 +82,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--replicas", default="16,64,256,1024", help="fleet sizes to decide among")
+    parser.add_argument(
+        "--prompt-tokens", default="8192", help="prompt lengths, e.g. 8192,65536,240000"
+    )
     parser.add_argument("--trace-policies", default="round_robin,cache_aware")
     parser.add_argument("--no-trace", action="store_true", help="skip the minute-long trace replay")
     args = parser.parse_args(argv)
-    for replicas in (int(n) for n in args.replicas.split(",")):
-        decision_us, hashing_us = bench_decision(replicas, 8192, args.repeats)
-        print(
-            f"routing decision, 8k-token prompt, {replicas:>5} replicas, cache_aware: "
-            f"{decision_us:6.1f} us   (hashing that prompt's identities every "
-            f"{STRIDE_TOKENS} tokens: {hashing_us:.1f} us)"
-        )
+    for tokens in (int(n) for n in args.prompt_tokens.split(",")):
+        for replicas in (int(n) for n in args.replicas.split(",")):
+            decision_us, hashing_us = bench_decision(replicas, tokens, args.repeats)
+            print(
+                f"routing decision, {tokens:>7}-token prompt, {replicas:>5} replicas, "
+                f"cache_aware: {decision_us:6.1f} us   (hashing that prompt's identities "
+                f"every {STRIDE_TOKENS} tokens: {hashing_us:.1f} us)"
+            )
     if not args.no_trace:
         bench_trace(args.trace_policies.split(","), 8)
 
