@@ -43,12 +43,10 @@ def within_budget(
         return candidates
     index = policy.index
     held = {r.replica_id: index.gpu_blocks_of(r.replica_id, salts) for r in candidates}
-    over = {
+    over = {  # a replica not known from its events holds nothing counted: never over
         r.replica_id
         for r in candidates
-        if index.is_precise(r.replica_id)
-        and r.capacity_blocks > 0
-        and held[r.replica_id] >= budget * r.capacity_blocks
+        if r.capacity_blocks > 0 and held[r.replica_id] >= budget * r.capacity_blocks
     }
     if not over:
         return candidates

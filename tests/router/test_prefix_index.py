@@ -56,12 +56,18 @@ def test_approximate_entries_expire_after_the_ttl(clock):
     assert index.num_entries() == 0
 
 
-def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries(clock):
-    index = make_index("precise", clock, recent_s=2.0)
+def engine_holding(tokens: np.ndarray) -> Engine:
+    """An engine of 64 blocks that has served ``tokens``."""
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
-    engine.add_request(EngineRequest("r", prompt(700), 1))
+    engine.add_request(EngineRequest("r", tokens, 1))
     while engine.has_unfinished:
         engine.step()
+    return engine
+
+
+def test_precise_mode_mirrors_an_engines_events_at_stride_boundaries(clock):
+    index = make_index("precise", clock, recent_s=2.0)
+    engine = engine_holding(prompt(700))
     events, _ = engine.cache.events_since(0)
     index.apply_events("b", events)
     # 700 tokens: 43 full blocks cached; stride boundaries every 64 tokens.
@@ -90,11 +96,7 @@ def test_precise_mode_counts_recent_routing_until_events_arrive(clock):
 
 def test_a_decision_records_only_what_the_replicas_events_do_not_show(clock):
     index = make_index("precise", clock, recent_s=2.0)
-    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
-    engine.add_request(EngineRequest("r", prompt(700), 1))
-    while engine.has_unfinished:
-        engine.step()
-    index.apply_events("b", engine.cache.events_since(0)[0])  # 640 tokens: 10 strides
+    index.apply_events("b", engine_holding(prompt(700)).cache.events_since(0)[0])  # 10 strides
     next_turn = stride_hashes(prompt(1000))  # 15 strides, the first 10 shown by events
     index.record_routing("b", next_turn)
     assert index.routed.size(index._bits["b"]) == 5  # its new strides, not its history
