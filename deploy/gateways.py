@@ -1,9 +1,15 @@
 """Gateways as Ray actors: several processes that route as one.
 
 Each gateway actor runs the gateway's HTTP server in its own event loop and process,
-and follows the replica actors by name. They agree without talking to each other:
-every gateway subscribes to every replica's KV events and load reports, so each has
-the same index and sees the load the others send (``router/load.py``).
+and follows the replica actors by name. It starts serving as it is constructed, so
+that when its process dies (``kill -9``, an out-of-memory kill) the actor Ray restarts
+takes its port again with no one to ask it: meanwhile the kernel gives new
+connections to the other gateways on the port, and the new process learns the caches
+from the replicas' replay buffers as it subscribes (``router/kv_subscriber.py``).
+
+They agree without talking to each other: every gateway subscribes to every replica's
+KV events and load reports, so each has the same index and sees the load the others
+send (``router/load.py``).
 
 On one machine the gateways share one port (SO_REUSEPORT: the kernel spreads new
 connections over them) or take consecutive ports; on a cluster, ``up`` places one
@@ -36,18 +42,21 @@ class GatewayServer:
     ) -> None:
         self.config, self.host, self.port, self.reuse_port = config, host, port, reuse_port
         self._app: Any = None
-        self._url: str | None = None
         self._task: asyncio.Task[None] | None = None
+        # Ray runs an async actor's constructor in the actor's event loop: the server
+        # starts as soon as the loop runs, in the first process or a restarted one.
+        self._serving = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> str:
+        host = self.host or ray.util.get_node_ip_address()
+        self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
+        sock = listening_socket(host, self.port, self.reuse_port)
+        _, self._task = await serve_in_loop(self._app, host, self.port, sock)
+        return f"http://{host}:{self.port}"
 
     async def url(self) -> str:
-        """Start the server if it is not running, and return its base URL."""
-        if self._url is None:
-            host = self.host or ray.util.get_node_ip_address()
-            self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
-            sock = listening_socket(host, self.port, self.reuse_port)
-            _, self._task = await serve_in_loop(self._app, host, self.port, sock)
-            self._url = f"http://{host}:{self.port}"
-        return self._url
+        """Its base URL once it serves; what stopped it from serving, raised."""
+        return await asyncio.shield(self._serving)
 
     async def stats(self) -> dict[str, Any]:
         """Its ``/stats``, asked through Ray: gateways sharing a port cannot be told

@@ -33,6 +33,8 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     # A single-machine Ray binds to loopback only when it is told it is no cluster.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
+        # Its own Ray, never a cluster that `ray start` left running on this machine.
+        address="local",
         num_cpus=num_cpus,
         namespace=NAMESPACE,
         include_dashboard=False,

@@ -21,19 +21,27 @@ import httpx
 #: before the server binds it (a gateway found its port taken so, once in CI).
 HANDED_OUT_PORTS = range(20000, 32768)
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: Ports this process handed out: never twice, for a server may bind its port long
+#: after it was chosen (a vLLM server binds its KV events' ports some 40 s later), and
+#: two draws free at the same moment collided so once in CI.
+_given_out: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
-    """A port free on ``host`` now, that no port-0 bind or outgoing connection takes."""
+    """A port free on ``host`` now, that no port-0 bind or outgoing connection takes,
+    and that this process has not handed out before."""
     ports = _handed_out_ports()
     rng = rng or random.Random()
     for _ in range(200):
         port = rng.choice(ports)
+        if port in _given_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
+            _given_out.add(port)
             return port
     raise RuntimeError(f"no free port on {host} in {ports.start}-{ports.stop - 1}")
 

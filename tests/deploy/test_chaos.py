@@ -1,5 +1,6 @@
-"""Chaos: kill one of four replica actors in the middle of a load run."""
+"""Chaos: kill one of four replica actors, or of four gateways, in the middle of a load run."""
 
+import argparse
 import asyncio
 import os
 import signal
@@ -8,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks import bench_failover as failover
 from loadtest.bench import embedded
 from replica.api import stats as codec
 from router.stats import BackendStats, GatewayStats
@@ -84,3 +86,25 @@ def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
         f"chaos: {len(statuses)} requests, 0 failed, {retries} retried; removed after "
         f"{seen['removed']:.2f} s, re-admitted after {seen['readmitted']:.2f} s"
     )
+
+
+def test_a_gateway_killed_mid_load_fails_only_its_requests_and_comes_back_warm():
+    args = argparse.Namespace(gateways=4, replicas=2, speedup=1.0, rate=12.0, conversations=24,
+                              seconds=24.0, kill_at=6.0)  # fmt: skip
+    with failover.serving(args) as (url, port):
+        gateways = failover.Gateways(url, args.replicas)
+        run = asyncio.run(failover.kill_one_mid_load(url, port, gateways, args))
+    failover.report(run, [5.0, 10.0])
+    outcomes = run.outcomes
+    # Only requests the killed process held fail: none sent after it died.
+    assert len(outcomes.failed) <= run.held
+    assert all(sent <= args.kill_at + 0.5 for sent in outcomes.failed_at), outcomes.failed_at
+    assert outcomes.ok >= 0.9 * args.rate * args.seconds
+    # Ray restarted it on the shared port with no one asking, and it routes at once as
+    # well as its peers: it learned the replicas' caches from their replay buffers.
+    assert run.successor is not None and run.back_after_s is not None
+    start = gateways.first_seen[run.successor]
+    mine, made = gateways.accuracy([run.successor], start, start + 5.0)
+    theirs, _ = gateways.accuracy(gateways.peers(run.victim, run.successor), start, start + 5.0)
+    assert made >= 3 and mine is not None and theirs is not None
+    assert mine >= theirs - 0.15, (mine, theirs)

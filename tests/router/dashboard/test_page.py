@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from selenium.common.exceptions import NoSuchElementException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -73,10 +74,23 @@ def refreshed_after(driver: WebDriver, moment: float, timeout_s: float = 30) -> 
     WebDriverWait(driver, timeout_s).until(done)
 
 
+def shown(driver: WebDriver, selector: str) -> tuple[str, str]:
+    """An element's text and raw value, read in one script: the page re-renders its
+    tables on every refresh, so an element found first and read after can be stale."""
+    found = driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        "return e && [e.innerText.trim(), e.getAttribute('data-value')];",
+        selector,
+    )
+    if found is None:
+        raise NoSuchElementException(f"nothing matches {selector}")
+    text, value = found
+    return str(text), str(value)
+
+
 def cell(driver: WebDriver, row: str, field: str) -> tuple[str, str]:
     """A table cell's text and raw value."""
-    element = driver.find_element(By.CSS_SELECTOR, f'{row} [data-field="{field}"]')
-    return str(element.text), str(element.get_attribute("data-value"))
+    return shown(driver, f'{row} [data-field="{field}"]')
 
 
 def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, tmp_path):
@@ -99,10 +113,10 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     refreshed_after(browser, ended + 1.0)  # a second sample after the traffic: chart points
     stats = gateway_stats(url, ADMIN)
     assert stats.totals.requests == 40
-    assert browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="requests"]').text == "40"
-    hit_rate = browser.find_element(By.CSS_SELECTOR, '#fleet [data-field="token_hit_rate"]')
-    assert stats.totals.token_hit_rate and stats.totals.token_hit_rate > 0.5
-    assert hit_rate.text == f"{100 * stats.totals.token_hit_rate:.1f}%"
+    assert cell(browser, "#fleet", "requests")[0] == "40"
+    hit_rate = stats.totals.token_hit_rate
+    assert hit_rate and hit_rate > 0.5
+    assert cell(browser, "#fleet", "token_hit_rate")[0] == f"{100 * hit_rate:.1f}%"
     assert not browser.find_element(By.ID, "no-backends").is_displayed()
 
     for backend, replica_url in zip(stats.backends, replicas, strict=True):
@@ -156,9 +170,11 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     assert float(cell(browser, row, "prediction_accuracy")[1]) == pytest.approx(accuracy)
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-hit canvas")
 
-    hot = browser.find_elements(By.CSS_SELECTOR, "#hot tbody tr")
+    hot = browser.execute_script(
+        "return [...document.querySelectorAll('#hot tbody tr')].map(r => r.dataset.prefix);"
+    )
     assert len(hot) == 4  # one per system prompt, and the first under the adapter
-    assert all(len(r.get_attribute("data-prefix")) == 16 for r in hot)
+    assert all(len(prefix) == 16 for prefix in hot)
     assert "Application 1" not in browser.page_source  # no prompt text unless asked
     browser.save_screenshot(str(tmp_path / "dashboard.png"))
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
