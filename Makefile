@@ -65,8 +65,19 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	fi
 
+# Two pytest runs side by side: the tests that start Ray or vLLM, or look at every
+# process on the machine, one after another (`ray stop` stops every Ray here, and a
+# vLLM server takes the cores it is given), and all the others beside them. Each
+# prints its own report; either failing fails the target.
+ONE_AT_A_TIME = ray or vllm or exclusive
+TEST_TMP := /tmp/prefix-router-tests
 test: lint browser $(VLLM_INSTALLED)
-	$(BIN)/pytest
+	@mkdir -p $(TEST_TMP); $(BIN)/pytest -m "$(ONE_AT_A_TIME)" --basetemp=$(TEST_TMP)/one-at-a-time \
+		> $(TEST_TMP).one-at-a-time.log 2>&1 & one=$$!; \
+	$(BIN)/pytest -m "not ($(ONE_AT_A_TIME))" --basetemp=$(TEST_TMP)/beside; beside=$$?; \
+	wait $$one; one_rc=$$?; cat $(TEST_TMP).one-at-a-time.log; \
+	echo "tests beside: exit $$beside; one at a time: exit $$one_rc"; \
+	[ $$beside -eq 0 ] && [ $$one_rc -eq 0 ]
 
 bench: $(INSTALLED)
 	$(BIN)/python -m benchmarks.bench_engine_core

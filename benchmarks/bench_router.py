@@ -3,6 +3,10 @@
 - Routing decision time: ``cache_aware`` choosing among 16, 64, 256 and 1,024 replicas
   (``--replicas``) for an 8k-token prompt whose prefix the index knows on two of them,
   and the hashing of that prompt's identities.
+- Tokenizing a chat turn with a Hugging Face tokenizer (``--tokenizer``, by default
+  the tiny Llama's byte-level BPE): the whole rendered conversation encoded at once,
+  against the gateway's way, its earlier messages' pieces found in the cache
+  (replica/api/token_cache.py) and only the new question encoded.
 - Replay time: the whole Mooncake conversation trace on 8 replicas, per policy.
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +24,7 @@ from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row
 from loadtest.workloads import load_workload
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
+from replica.api.model_tokenizer import HFTokenizer
 from replica.api.tokenizer import TOKEN_DTYPE
 from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
@@ -78,6 +84,49 @@ def bench_trace(policies: list[str], replicas: int) -> None:
         )
 
 
+def bench_tokenizing(tokenizer: HFTokenizer, prompt_tokens: int, repeats: int) -> dict[str, float]:
+    """Milliseconds (medians) to render a conversation of about ``prompt_tokens``
+    tokens with its next question, to encode it whole, and to encode it as the gateway
+    does once the turn before was encoded."""
+    assert tokenizer.pieces is not None and tokenizer.render is not None
+    rng = np.random.default_rng(0)
+    words = ("cache", "prefix", "route", "replica", "token", "block", "engine", "batch")
+
+    def text(count: int) -> str:
+        return " ".join(words[i] for i in rng.integers(0, len(words), count))
+
+    messages = [{"role": "system", "content": text(1500)}]
+    while len(tokenizer.apply_chat_template(messages)) < prompt_tokens:
+        messages += [{"role": "user", "content": text(100)},
+                     {"role": "assistant", "content": text(300)}]  # fmt: skip
+    timings: dict[str, list[float]] = {"render": [], "whole": [], "cached": []}
+    for _ in range(repeats):
+        turn = [*messages, {"role": "user", "content": text(30)}]
+        tokenizer.pieces.clear()
+        tokenizer.apply_chat_template(messages)  # the turn before, as the gateway saw it
+        start = time.perf_counter()
+        rendered = tokenizer.render(messages=turn, add_generation_prompt=True,
+                                    **tokenizer.special_tokens)  # fmt: skip
+        rendered_at = time.perf_counter()
+        whole = tokenizer.tokenizer.encode(rendered, add_special_tokens=False).ids
+        whole_at = time.perf_counter()
+        cached = tokenizer.apply_chat_template(turn)
+        cached_at = time.perf_counter()
+        assert cached.tolist() == whole  # exact
+        timings["render"].append(rendered_at - start)
+        timings["whole"].append(whole_at - rendered_at)
+        timings["cached"].append(cached_at - whole_at)
+    return {name: 1000 * statistics.median(values) for name, values in timings.items()}
+
+
+def default_tokenizer() -> HFTokenizer:
+    """The tiny Llama's tokenizer, written to a temporary folder."""
+    from replica.tiny_model import write_tiny_model
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    return HFTokenizer.load(write_tiny_model(folder))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=50)
@@ -85,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompt-tokens", default="8192", help="prompt lengths, e.g. 8192,65536,240000"
     )
+    parser.add_argument(
+        "--tokenizer", help="a Hugging Face tokenizer's folder (default: the tiny Llama's)"
+    )
+    parser.add_argument("--tokenize-repeats", type=int, default=5)
     parser.add_argument("--trace-policies", default="round_robin,cache_aware")
     parser.add_argument("--no-trace", action="store_true", help="skip the minute-long trace replay")
     args = parser.parse_args(argv)
@@ -96,6 +149,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"cache_aware: {decision_us:6.1f} us   (hashing that prompt's identities "
                 f"every {STRIDE_TOKENS} tokens: {hashing_us:.1f} us)"
             )
+    tokenizer = HFTokenizer.load(Path(args.tokenizer)) if args.tokenizer else default_tokenizer()
+    for tokens in (int(n) for n in args.prompt_tokens.split(",")):
+        ms = bench_tokenizing(tokenizer, tokens, args.tokenize_repeats)
+        print(
+            f"tokenizing a chat turn of ~{tokens:>7} tokens: rendering {ms['render']:.1f} ms, "
+            f"encoding it whole {ms['whole']:.1f} ms, with the earlier messages cached "
+            f"{ms['cached']:.1f} ms"
+        )
     if not args.no_trace:
         bench_trace(args.trace_policies.split(","), 8)
 

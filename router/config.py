@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from replica.api.card import EngineCard
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL
+from replica.api.token_cache import DEFAULT_CACHE_TOKENS
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.fairness import check_fairness
 from router.policies import POLICIES, PolicyConfig
@@ -53,6 +54,10 @@ class GatewayConfig:
     #: its folder; ``chat_template``: a Jinja file or text replacing the tokenizer's.
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str = field(default="", metadata={"derived": "the tokenizer's"})
+    #: A Hugging Face tokenizer's cache of chats' pieces between special tokens, in
+    #: tokens (0: none): a turn then tokenizes only its new messages
+    #: (replica/api/token_cache.py; its size in ``/stats``).
+    tokenizer_cache_tokens: int = DEFAULT_CACHE_TOKENS
     #: The policies' knobs, the fleet's block size and the router's stride: the very
     #: object the offline replayer routes with (``ReplayConfig.routing``).
     routing: PolicyConfig = field(default_factory=PolicyConfig)
@@ -110,7 +115,8 @@ class GatewayConfig:
                   max_request_bytes=self.max_request_bytes,
                   max_prompt_tokens=self.max_prompt_tokens)  # fmt: skip
         _at_least(0, max_queued=self.max_queued, max_retries=self.max_retries,
-                  retry_backoff_s=self.retry_backoff_s)  # fmt: skip
+                  retry_backoff_s=self.retry_backoff_s,
+                  tokenizer_cache_tokens=self.tokenizer_cache_tokens)  # fmt: skip
         _positive(kv_events_interval_s=self.kv_events_interval_s,
                   describe_interval_s=self.describe_interval_s,
                   upstream_connect_timeout_s=self.upstream_connect_timeout_s,

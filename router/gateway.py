@@ -18,7 +18,7 @@ import numpy as np
 
 from replica.api import openai as api
 from replica.api.identity import identity_seed, prefix_keys
-from replica.api.model_tokenizer import load_tokenizer
+from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router import cache_budget
 from router.accounting import Accounting
@@ -41,7 +41,9 @@ MAX_SALTS = 65_536
 class Gateway:
     def __init__(self, config: GatewayConfig, client: aiohttp.ClientSession) -> None:
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
+        self.tokenizer: Tokenizer = load_tokenizer(
+            config.tokenizer, config.chat_template, config.tokenizer_cache_tokens
+        )
         self.rng = np.random.default_rng(config.seed)
         self.policy_name = config.policy
         self.models = ModelRoutes(self._policy_for, config.model)
@@ -195,6 +197,9 @@ class Gateway:
         return [s for s in states if s.outstanding_requests < limit]
 
     def stats(self) -> GatewayStats:
-        return self.accounting.stats(
+        stats = self.accounting.stats(
             self.policy_name, self.config, self.pool, self.admission, self.tenant_footprint()
         )
+        if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.pieces is not None:
+            return replace(stats, tokenizer_cache=self.tokenizer.pieces.stats())
+        return stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replica.api.token_cache import TokenCacheStats
 from router.config import GatewayConfig
 
 
@@ -163,6 +164,8 @@ class GatewayStats:
     policies: dict[str, PolicyStats] = field(default_factory=dict)
     #: Per model (or LoRA adapter) that requests named.
     models: dict[str, TenantStats] = field(default_factory=dict)
+    #: Its tokenizer's cache of chats' pieces (None: none, as for ``bytes4``).
+    tokenizer_cache: TokenCacheStats | None = None
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

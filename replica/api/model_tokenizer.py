@@ -7,7 +7,8 @@ routing works in front of real engines. It does what vLLM's OpenAI server does:
 a completion's prompt is encoded with the tokenizer's special tokens (a BOS, say); a
 conversation is rendered with the model's Jinja chat template (in a sandbox, with
 the names ``transformers`` gives it) and encoded without adding any, since the
-template writes its own.
+template writes its own, piece by piece between its special tokens, each piece an
+earlier turn sent found in a bounded cache (``replica/api/token_cache.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from replica.api.token_cache import DEFAULT_CACHE_TOKENS, PieceCache
 from replica.api.tokenizer import DEFAULT_TOKENIZER, TOKEN_DTYPE, ByteTokenizer, Message, Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -43,12 +45,18 @@ class HFTokenizer:
     vocabulary: Sequence[int]
     render: Callable[..., str] | None  # the compiled chat template, if there is one
     special_tokens: Mapping[str, str]  # bos_token, eos_token: what the template may name
+    #: The ids of pieces between special tokens that earlier conversations sent (None:
+    #: off, or a tokenizer whose pieces are not encoded independently).
+    pieces: PieceCache | None = None
 
     @classmethod
-    def load(cls, path: Path, chat_template: str = "") -> HFTokenizer:
+    def load(
+        cls, path: Path, chat_template: str = "", cache_tokens: int = DEFAULT_CACHE_TOKENS
+    ) -> HFTokenizer:
         """From a ``tokenizer.json`` or a folder that holds it (and, beside it, the
         ``tokenizer_config.json`` naming its special tokens and chat template, or the
-        template in ``chat_template.jinja``, where transformers 5 writes it)."""
+        template in ``chat_template.jinja``, where transformers 5 writes it). Chats'
+        pieces are cached up to ``cache_tokens`` tokens (0: not at all)."""
         folder = path if path.is_dir() else path.parent
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
@@ -73,6 +81,7 @@ class HFTokenizer:
             vocabulary=_ordinary_ids(tokenizer),
             render=_compile(_pick_template(template)) if template else None,
             special_tokens=special,
+            pieces=PieceCache.for_tokenizer(tokenizer, cache_tokens),
         )
 
     def encode(self, text: str) -> np.ndarray:
@@ -98,14 +107,19 @@ class HFTokenizer:
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template: {error}") from None
+        if self.pieces is not None:
+            return self.pieces.encode(text)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=TOKEN_DTYPE)
 
 
-def load_tokenizer(name: str = DEFAULT_TOKENIZER, chat_template: str = "") -> Tokenizer:
+def load_tokenizer(
+    name: str = DEFAULT_TOKENIZER, chat_template: str = "", cache_tokens: int = DEFAULT_CACHE_TOKENS
+) -> Tokenizer:
     """``bytes4`` (the simulated model's), or a Hugging Face tokenizer: a ``tokenizer.json``
     or a folder holding one (and ``tokenizer_config.json`` with its chat template, as a
-    model's repository does). ``chat_template``: a Jinja file or text that replaces it."""
+    model's repository does). ``chat_template``: a Jinja file or text that replaces it;
+    ``cache_tokens``: the bound of its cache of chats' pieces (0: none)."""
     if name == DEFAULT_TOKENIZER:
         if chat_template:
             raise ValueError("the bytes4 tokenizer has its own chat template; give a model's")
@@ -115,7 +129,7 @@ def load_tokenizer(name: str = DEFAULT_TOKENIZER, chat_template: str = "") -> To
             f"unknown tokenizer {name!r}: give {DEFAULT_TOKENIZER} or the path of a "
             "Hugging Face tokenizer.json or of the folder that holds it"
         )
-    return HFTokenizer.load(Path(name), chat_template)
+    return HFTokenizer.load(Path(name), chat_template, cache_tokens)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

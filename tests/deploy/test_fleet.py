@@ -36,6 +36,7 @@ def test_vllm_adapters_need_their_weights():
         fleet_engines(["m=1:sql"], 1, VLLMConfig("m"))
 
 
+@pytest.mark.exclusive  # a `serve` process, which the bench's tests look for
 def test_serve_refuses_a_bad_fleet_before_starting_anything():
     done = prefix_router("serve", "--fleet", "llama=two")
     assert done.returncode == 2 and "--fleet 'llama=two': expected MODEL=N" in done.stderr

@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from tests.shared import build_hf_tokenizer, wait_until_indexed
+from tests.shared import build_hf_tokenizer, gateway_stats, wait_until_indexed
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +45,7 @@ def test_the_gateway_routes_precisely_with_the_replicas_tokenizer(tmp_path):
             other = chat(simulated, "And the brakes?")
             assert other.status_code == 200
             assert int(other.headers["x-prefix-router-predicted-cached-tokens"]) == 0
+            # The second chat's system prompt was tokenized once, by the first.
+            pieces = gateway_stats(same).tokenizer_cache
+            assert pieces is not None and pieces.hit_tokens > 200 and pieces.bytes > 0
+            assert gateway_stats(simulated).tokenizer_cache is None  # bytes4 needs none
