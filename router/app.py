@@ -42,6 +42,9 @@ from router.policies import POLICIES, RoutingRequest
 from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
 from router.upstream import Upstream
 
+#: The longest a gateway that follows Ray's replicas waits, before it serves, for their
+#: replay buffers to be in its index (a replay is a ZMQ round trip per replica).
+LEARN_TIMEOUT_S = 5.0
 #: What the completion endpoints answer besides 200, for the OpenAPI schema.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": text}
@@ -81,6 +84,7 @@ def create_app(
             follower = None
             if ray_replica_prefix is not None:  # serving starts with the replicas admitted
                 await sync_ray_replicas(gateway.pool, ray_replica_prefix)
+                await gateway.pool.learned(timeout_s=LEARN_TIMEOUT_S)
                 task = follow_ray_replicas(gateway.pool, ray_replica_prefix)
                 follower = asyncio.get_running_loop().create_task(task)
             yield

@@ -240,6 +240,19 @@ class BackendPool:
             self._on_removed(backend.state)
         return True
 
+    async def learned(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until every backend has joined and, if it
+        publishes KV events, its replay buffer is in the index: a gateway that starts
+        beside others (or after a crash) then predicts as they do from its first
+        request. Whether they all have."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not all(_learned(b) for b in self._backends.values()):
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            return False
+        return True
+
     async def close(self) -> None:
         for backend in list(self._backends.values()):
             await self.remove(backend.state.replica_id)
@@ -434,6 +447,13 @@ async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float 
     while True:
         await asyncio.sleep(interval_s)
         await sync_ray_replicas(pool, prefix)
+
+
+def _learned(backend: Backend) -> bool:
+    if not backend.joined:
+        return False
+    endpoint = backend.kv_endpoint or (backend.card.kv_events if backend.card else None)
+    return endpoint is None or (backend.stream is not None and backend.stream.learned)
 
 
 async def sync_ray_replicas(pool: BackendPool, prefix: str) -> None:

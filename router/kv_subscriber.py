@@ -66,6 +66,9 @@ class StreamState:
     replayed: int = 0
     resyncs: int = 0
     stale: bool = False
+    #: Set on the event loop once what the publisher's replay buffer held when the
+    #: follower joined is in the index (at once for a publisher with no replay).
+    learned: bool = False
     last_heard: float = 0.0
     load: LoadReport | None = None
     #: Seconds from a batch's time stamp at the replica to its events in the index.
@@ -163,6 +166,7 @@ class KVStreams:
                 self._loads.register(load, zmq.POLLIN)
                 if state.next_batch is None:  # new: learn what the publisher holds
                     self._learn(state)
+                self._deliver(setattr, state, "learned", True)  # after what it learned
             elif key in self._streams:
                 socket, load, state = self._streams[key]
                 if command == "relearn":

@@ -157,8 +157,16 @@ def vllm_servers(
             server.wait_ready()
         yield servers
     finally:
-        for server in servers:
-            server.stop()
+        stop_together(servers)
+
+
+def stop_together(servers: list[VLLMServer]) -> None:
+    """Stop vLLM servers, each told at once so that their shutdowns overlap."""
+    for server in servers:
+        if server.process is not None and server.process.poll() is None:
+            server.process.terminate()
+    for server in servers:
+        server.stop()
 
 
 def vllm_backend(server: VLLMServer) -> str:

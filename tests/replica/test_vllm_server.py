@@ -18,7 +18,7 @@ from replica.vllm_server import (
     cpu_build,
     remove_orphaned_folders,
 )
-from tests.shared import VLLM_ARGS
+from tests.shared import VLLM_ARGS, stop_together
 
 
 def server(model: str, *engine_args: str, cpus: tuple[int, ...] = ()) -> VLLMServer:
@@ -101,5 +101,4 @@ def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(tiny_model
         remove_orphaned_folders()  # what every server's launch does first
         assert not orphaned.exists()
     finally:
-        for started in running:
-            started.stop()
+        stop_together(running)
