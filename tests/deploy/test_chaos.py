@@ -96,8 +96,9 @@ def test_a_gateway_killed_mid_load_fails_only_its_requests_and_comes_back_warm()
         run = asyncio.run(failover.kill_one_mid_load(url, port, gateways, args))
     failover.report(run, [5.0, 10.0])
     outcomes = run.outcomes
-    # Only requests the killed process held fail: none sent after it died.
-    assert len(outcomes.failed) <= run.held
+    # Only requests the killed process held fail: none sent after it died. (Its
+    # listener's queue can take one more connection between the count and the kill.)
+    assert len(outcomes.failed) <= run.held + 1
     assert all(sent <= args.kill_at + 0.5 for sent in outcomes.failed_at), outcomes.failed_at
     assert outcomes.ok >= 0.9 * args.rate * args.seconds
     # Ray restarted it on the shared port with no one asking, and it routes at once as
