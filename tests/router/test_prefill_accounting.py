@@ -35,14 +35,17 @@ def body(chat: bool, stream: bool, salt: str) -> dict:
 
 
 def held_for(samples: list[tuple[float, int, int]], requests: int, prefill: bool) -> float:
-    """The longest stretch of samples with ``requests`` in flight and prefill held or not."""
+    """The longest stretch with ``requests`` in flight and prefill held or not: from
+    the first sample that showed it to the first that did not (on a busy machine a
+    sample of ``/stats`` can take a tenth of the phase it samples)."""
     longest, start = 0.0, None
     for moment, outstanding, tokens in samples:
         if outstanding == requests and (tokens > 0) == prefill:
             start = moment if start is None else start
-            longest = max(longest, moment - start)
-        else:
-            start = None
+        elif start is not None:
+            longest, start = max(longest, moment - start), None
+    if start is not None:
+        longest = max(longest, samples[-1][0] - start)
     return longest
 
 
