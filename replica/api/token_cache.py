@@ -61,8 +61,7 @@ class PieceCache:
         longest_first = sorted(self._added, key=len, reverse=True)
         self._cut = re.compile("|".join(re.escape(token) for token in longest_first))
         self._pieces: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._tokens = self._text = 0
-        self._hits = self._hit_tokens = self._misses = self._encoded_tokens = 0
+        self.clear()
 
     @classmethod
     def for_tokenizer(

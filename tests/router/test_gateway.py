@@ -221,8 +221,9 @@ def test_a_session_key_sends_every_turn_where_rendezvous_hashing_of_it_says(flee
     # Four sessions homed on each replica (the ids are URLs on random ports: eight
     # keys drawn blindly all land on one replica once in 128 runs).
     keys = [f"user-{n}" for n in range(1000)]
-    chosen = [key for i in ids for key in [k for k in keys if home_of(k) == i][:4]]
-    homes = set()
+    homed = {i: [k for k in keys if home_of(k) == i] for i in ids}
+    assert all(300 < len(homed[i]) < 700 for i in ids)  # the keys spread the sessions
+    chosen = [key for i in ids for key in homed[i][:4]]
     for session, key in enumerate(chosen):
         home = home_of(key)
         history = f"Session {session} talks about its own topic. " * 20
@@ -235,8 +236,6 @@ def test_a_session_key_sends_every_turn_where_rendezvous_hashing_of_it_says(flee
                 timeout=30,
             )
             assert response.headers["x-prefix-router-replica"] == home, (key, turn)
-        homes.add(home)
-    assert homes == set(ids)  # every replica a home, each session where its key says
     assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware"}).status_code == 200
 
 
