@@ -246,11 +246,19 @@ class Answer:
     def _token_logprob(self, token_id: int, position: int) -> tuple[str, float, list]:
         draw = xxhash.xxh3_64_intdigest(f"{token_id}:{position}".encode())
         logprob = -((draw % 2000) / 1000.0)  # in (-2, 0]
-        alternatives = []
-        for k in range(self.spec.logprobs or 0):
-            other = self.vocabulary[(draw + 7919 * (k + 1)) % len(self.vocabulary)]
-            alternatives.append((self.decode([other]), logprob - 0.5 * (k + 1)))
-        return self.decode([token_id]), logprob, alternatives
+        token = self.decode([token_id])
+        # Distinct texts, none the token's own: a legacy completion keys its
+        # top_logprobs by text, so a repeat would silently shrink the dict.
+        seen, alternatives = {token}, []
+        wanted = min(self.spec.logprobs or 0, len(self.vocabulary) - 1)
+        step = 0
+        while len(alternatives) < wanted and step < 4 * len(self.vocabulary):
+            step += 1
+            other = self.decode([self.vocabulary[(draw + 7919 * step) % len(self.vocabulary)]])
+            if other not in seen:
+                seen.add(other)
+                alternatives.append((other, logprob - 0.5 * (len(alternatives) + 1)))
+        return token, logprob, alternatives
 
     @staticmethod
     def _chat_entry(token: str, logprob: float, alternatives: list) -> dict[str, Any]:
