@@ -5,7 +5,6 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -13,8 +12,7 @@ import pytest
 
 from deploy.processes import running
 from loadtest.bench import BenchConfig
-from replica.api.cost_model import PROFILES, StepCosts
-from tests.shared import VLLM_ARGS
+from replica.api.cost_model import StepCosts
 
 pytestmark = pytest.mark.slow
 
@@ -153,29 +151,3 @@ def test_bench_against_a_plain_openai_server_runs_one_labelled_policy(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = check_report(tmp_path, ["one_server"])
     assert row["replicas"] == 1 and row["imbalance"] == 1.0
-
-
-@pytest.mark.ray
-@pytest.mark.vllm
-def test_bench_engine_vllm_puts_three_routers_in_front_of_real_vllm_servers(tmp_path, tiny_model):
-    """`make demo-vllm` in small: round robin, SGLang's router and ours, each in front of
-    the same two vLLM servers, hits counted by vLLM itself and by its answers; beside
-    each, the replay of the same workload, as the model's tokenizer reads it, on twins
-    timed by a calibrated profile with vLLM's pool."""
-    policies = ["round_robin", "sglang_router", "cache_aware"]
-    profile = tmp_path / "profile.json"
-    replace(PROFILES["llama3-8b-h100"], costs=TINY_ON_A_CORE, kv_tokens=8192).save(profile)
-    done = bench(
-        tmp_path, "--engine", "vllm", "--model", str(tiny_model), "--replicas", "2",
-        "--policies", ",".join(policies), "--serve-arg=--stride 1",
-        f"--engine-arg={' '.join(VLLM_ARGS)}", "--replay-profile", str(profile),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 vllm replicas" in done.stderr
-    rows = check_report(tmp_path, policies)
-    ours = rows[2]
-    assert ours["prediction_exact"] >= 0.95 and ours["prediction_over"] <= 0.05
-    assert rows[0]["prediction_exact"] is None and rows[1]["prediction_exact"] is None
-    assert all(r["replicas"] == 2 or r["policy"] is None for r in rows)
-    leftover = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, check=False)
-    assert leftover.stdout == b""
