@@ -249,7 +249,7 @@ class Answer:
         token = self.decode([token_id])
         # Distinct texts, none the token's own: a legacy completion keys its
         # top_logprobs by text, so a repeat would silently shrink the dict.
-        seen, alternatives = {token}, []
+        seen, alternatives = {token}, list[tuple[str, float]]()
         wanted = min(self.spec.logprobs or 0, len(self.vocabulary) - 1)
         step = 0
         while len(alternatives) < wanted and step < 4 * len(self.vocabulary):
