@@ -30,7 +30,7 @@ from router import load
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-STRIDE_TOKENS = PolicyConfig().stride_tokens
+BLOCK_SIZE, STRIDE = PolicyConfig().block_size, PolicyConfig().index.stride
 
 
 def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[float, float]:
@@ -47,7 +47,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
     ]
     requests = []
     for i, tokens in enumerate(prompts):  # every prompt known on one replica, half of it on another
-        hashes = prefix_keys(tokens, STRIDE_TOKENS, seed)
+        hashes = prefix_keys(tokens, BLOCK_SIZE, STRIDE, seed)
         policy.on_dispatch(RoutingRequest(f"warm-{i}", prompt_tokens, hashes), fleet[i % replicas])
         policy.on_dispatch(
             RoutingRequest(f"half-{i}", prompt_tokens // 2, hashes[: len(hashes) // 2]),
@@ -66,7 +66,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
         decisions.append((time.perf_counter() - start) / len(requests))
         start = time.perf_counter()
         for tokens in prompts:
-            prefix_keys(tokens, STRIDE_TOKENS, seed)
+            prefix_keys(tokens, BLOCK_SIZE, STRIDE, seed)
         hashing.append((time.perf_counter() - start) / len(prompts))
     return 1e6 * statistics.median(decisions), 1e6 * statistics.median(hashing)
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"routing decision, {tokens:>7}-token prompt, {replicas:>5} replicas, "
                 f"cache_aware: {decision_us:6.1f} us   (hashing that prompt's identities "
-                f"every {STRIDE_TOKENS} tokens: {hashing_us:.1f} us)"
+                f"every {BLOCK_SIZE * STRIDE} tokens: {hashing_us:.1f} us)"
             )
     tokenizer = HFTokenizer.load(Path(args.tokenizer)) if args.tokenizer else default_tokenizer()
     for tokens in (int(n) for n in args.prompt_tokens.split(",")):

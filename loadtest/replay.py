@@ -32,7 +32,7 @@ import numpy as np
 
 from loadtest.workloads import Workload
 from replica.api.config import ReplicaConfig
-from replica.api.identity import block_hashes, identity_seed, prefix_keys
+from replica.api.identity import affinity_key, block_hashes, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
@@ -265,7 +265,7 @@ class Simulation:
         self.records: dict[str, RequestRecord] = {}
         self.shared_prefix_evictions = 0
         self._seeds = lru_cache(maxsize=None)(identity_seed)  # (name, salt): a bounded set
-        self._stride_tokens = config.routing.stride_tokens
+        self._block_size, self._stride = config.routing.block_size, config.routing.index.stride
         #: What a request spends outside the engine, as its client sees it: added to its
         #: first token and its end (the engines are not told: admitting every request
         #: that much later would move them all alike).
@@ -369,12 +369,13 @@ class Simulation:
         routes = self.routers[router][0]
         served = ServedName(session.model or routes.default_model, session.adapter)
         seed = self._seeds(served.name, session.cache_salt)
-        stride_hashes = prefix_keys(prompt, self._stride_tokens, seed)
+        stride_hashes = prefix_keys(prompt, self._block_size, self._stride, seed)
         key = session.session_id if self.config.session_keys else None
         routing = RoutingRequest(
             request_id, len(prompt), stride_hashes, session=key, model=served.model,
             adapter=served.adapter, tenant=session.tenant, priority=session.priority,
             cache_budget=self._budgets.get(session.tenant or ""),
+            affinity=affinity_key(prompt, self._block_size, self._stride, seed),
         )  # fmt: skip
         waiting = _Waiting(session_index, turn_index, routing, prompt, self.now, router)
         if self.config.max_outstanding:  # a gateway's admission: queue when all are full

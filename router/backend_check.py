@@ -196,7 +196,7 @@ class BackendCheck:
         anything, and whether the check could not be made (the backend refused it)."""
         text = self.canary_text(np.random.default_rng(), nonce=uuid.uuid4().hex)
         tokens = self.tokenizer.encode(text)
-        expected = set(prefix_keys(tokens[:-1], self.block_size * self.stride,
+        expected = set(prefix_keys(tokens[:-1], self.block_size, self.stride,
                                    identity_seed(self.model, None)))  # fmt: skip
         body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0}
         async with self.client.post(

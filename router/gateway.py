@@ -17,7 +17,7 @@ import aiohttp
 import numpy as np
 
 from replica.api import openai as api
-from replica.api.identity import identity_seed, prefix_keys
+from replica.api.identity import affinity_key, identity_seed, prefix_keys
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router import cache_budget
@@ -125,11 +125,14 @@ class Gateway:
         seed = identity_seed(served.name, cache_salt)  # one short hash, no cache to grow
         if tenant is not None and cache_salt is not None:
             self._learn_salt(cache_salt, tenant)
-        hashes = prefix_keys(prompt, self.config.routing.stride_tokens, seed)
+        routing = self.config.routing
+        block_size, stride = routing.block_size, routing.index.stride
+        hashes = prefix_keys(prompt, block_size, stride, seed)
         self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
         return RoutingRequest(
             api.new_id("route"), len(prompt), hashes, tenant=tenant,
             model=served.model, adapter=served.adapter,
+            affinity=affinity_key(prompt, block_size, stride, seed),
         )  # fmt: skip
 
     def _learn_salt(self, salt: str, tenant: str) -> None:

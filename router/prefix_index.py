@@ -39,6 +39,7 @@ from typing import Literal
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
 from router.event_keys import EventKeys
+from router.lean_index import KeySets
 
 IndexMode = Literal["approximate", "precise"]
 _NOBODY: dict[int, int] = {}
@@ -172,8 +173,10 @@ class PrefixIndex:
         precise = config.mode == "precise"
         self._routed_ttl_s = config.recent_s if precise else config.ttl_s
         self.routed = ReplicaSets(clock)
-        self.stored = ReplicaSets(clock) if precise else None
-        self.host = ReplicaSets(clock) if precise else None
+        # What the events say, packed (router/lean_index.py): a key per stride block of
+        # every replica's cache, a thousand replicas' worth.
+        self.stored = KeySets() if precise else None
+        self.host = KeySets() if precise else None
 
     # ------------------------------------------------------------- replicas
 
@@ -190,9 +193,10 @@ class PrefixIndex:
             self._approximate_bits |= 1 << bit
             ttl_s = self.config.ttl_s
         self.routed.add_replica(bit, capacity, ttl_s)
-        for sets in self._event_sets:
-            sets.add_replica(bit, None)
-        self._keys[bit] = EventKeys(self.model, self.block_size, self.config.stride)
+        precise = self.stored is not None and not approximate  # its table is sized to its cache
+        self._keys[bit] = EventKeys(
+            self.model, self.block_size, self.config.stride, capacity_blocks if precise else 0
+        )
 
     def remove_replica(self, replica_id: str) -> None:
         bit = self._bits.pop(replica_id, None)
@@ -203,11 +207,11 @@ class PrefixIndex:
         self._approximate_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
         for sets in self._event_sets:
-            sets.remove_replica(bit)
+            sets.clear(bit)
         del self._keys[bit]
 
     @property
-    def _event_sets(self) -> list[ReplicaSets]:
+    def _event_sets(self) -> list[KeySets]:
         return [s for s in (self.stored, self.host) if s is not None]
 
     @property
@@ -225,7 +229,7 @@ class PrefixIndex:
 
     def num_entries(self, replica_id: str | None = None) -> int:
         """Identities known (for one replica, or in all), for the memory bound."""
-        sets = [self.routed, *self._event_sets]
+        sets: list[ReplicaSets | KeySets] = [self.routed, *self._event_sets]
         if replica_id is None:
             return sum(len(s) for s in sets)
         bit = self._bits.get(replica_id)
@@ -266,7 +270,7 @@ class PrefixIndex:
         """
         self.routed.expire()
         routed = self.routed.holders.get
-        stored = (self.stored.holders if self.stored else _NOBODY).get
+        stored = self.stored.get if self.stored is not None else _NOBODY.get
 
         def holders(depth: int) -> int:
             block_hash = stride_hashes[depth]
@@ -316,7 +320,7 @@ class PrefixIndex:
         host = self.host
         if host is None or not len(host):
             return {}
-        holders, stride_tokens, extra = host.holders, self.stride_tokens, {}
+        holders, stride_tokens, extra = host, self.stride_tokens, {}
         # Those with GPU tokens, and those whose host tier holds the first identity.
         first = holders.get(stride_hashes[0], 0) & self._all_bits if stride_hashes else 0
         candidates = {*gpu, *(self._ids[bit] for bit in _bits_of(first))}
@@ -343,7 +347,7 @@ class PrefixIndex:
         if bit is None:
             return
         if self.stored is not None and self.is_precise(replica_id) and stride_hashes:
-            held = self.stored.holders.get
+            held = self.stored.get
             shown = self._first_drop(
                 lambda depth: held(stride_hashes[depth], 0), 1 << bit, 0, len(stride_hashes)
             )

@@ -78,49 +78,68 @@ def block_hashes(tokens: np.ndarray, block_size: int, seed: int) -> list[int]:
     return BlockHasher(block_size, seed).extend(tokens)
 
 
-def prefix_keys(tokens: np.ndarray, chunk_tokens: int, seed: int) -> list[int]:
-    """The router's keys of a prompt, one per full chunk of ``chunk_tokens`` tokens, each
-    chained from the one before (:func:`next_key`). The first is seeded like a block
-    identity, so it equals the identity at that boundary.
+def prefix_keys(tokens: np.ndarray, block_size: int, stride: int, seed: int) -> list[int]:
+    """The router's keys of a prompt: a chain over its full blocks, each link
+    (:func:`next_key`) hashing one block's tokens with the link before as the seed, and
+    one key per ``stride`` blocks, the link at that block.
 
-    A chain can be continued from any key with the next chunk's tokens alone, which is
-    what lets a router key the blocks a ``BlockStored`` event carries (parent hash,
-    token ids) without the prompt's earlier tokens, as llm-d keys vLLM's events.
+    A chain can be continued from any block's link with the next blocks' tokens alone,
+    which is what lets a router key the blocks a ``BlockStored`` event carries (parent
+    hash, token ids) without the prompt's earlier tokens, as llm-d keys vLLM's events;
+    and since every block has its link, the router keeps one number per engine block
+    (``router/event_keys.py``), not the tokens since the last key.
     """
     data = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).data
-    step = chunk_tokens * TOKEN_DTYPE.itemsize
+    step = block_size * TOKEN_DTYPE.itemsize
     if _compiled is not None:
-        return _compiled.prefix_keys(data, step, seed)
-    return python_prefix_keys(data.tobytes(), step, seed)
+        return _compiled.prefix_keys(data, step, stride, seed)
+    return python_prefix_keys(data.tobytes(), step, stride, seed)
 
 
-def next_key(key: int, chunk: bytes, first: bool) -> int:
-    """The key after ``key`` over the next ``chunk`` of token bytes (``first``: the
-    chain's first chunk, ``key`` its seed).
+def affinity_key(tokens: np.ndarray, block_size: int, stride: int, seed: int) -> int | None:
+    """The identity of a prompt's first ``stride`` blocks, as the replica computes it
+    (``None`` if shorter): what rendezvous hashing spreads cold prompts by. It does not
+    depend on how the router chains its keys, so a change there moves no prompt."""
+    size = block_size * stride
+    if len(tokens) < size:
+        return None
+    head = np.ascontiguousarray(tokens[:size], dtype=TOKEN_DTYPE).tobytes()
+    return xxhash.xxh3_64_intdigest(head, seed=seed)
 
-    The first is ``xxh3_64(chunk, seed)``; each later one seeds a hash of the chunk's own
-    unseeded digest with the key before: xxh3 seeded over more than 240 bytes (a chunk is
-    256) derives a secret from the seed on every call, six times the cost of hashing the
-    chunk, while seeded over 8 bytes it costs nothing more.
+
+#: Blocks up to this many bytes are hashed seeded by the link before; longer ones are
+#: hashed unseeded first (see :func:`next_key`).
+SHORT_BLOCK_BYTES = 240
+
+
+def next_key(key: int, block: bytes) -> int:
+    """The chain's link after ``key`` (the seed, for the first block) over one block's
+    token bytes.
+
+    ``xxh3_64(block, seed=key)``; a block longer than 240 bytes seeds a hash of its own
+    unseeded digest instead: xxh3 seeded over more than 240 bytes derives a secret from
+    the seed on every call, six times the cost of hashing the block, while seeded over
+    8 bytes it costs nothing more.
     """
     if _compiled is not None:
-        return _compiled.next_key(key, chunk, first)
-    return python_next_key(key, chunk, first)
+        return _compiled.next_key(key, block)
+    return python_next_key(key, block)
 
 
-def python_next_key(key: int, chunk: bytes, first: bool) -> int:
+def python_next_key(key: int, block: bytes) -> int:
     """:func:`next_key` in Python alone (what the compiled one must equal)."""
-    if first:
-        return xxhash.xxh3_64_intdigest(chunk, seed=key)
-    link = xxhash.xxh3_64_intdigest(chunk).to_bytes(8, "little")
+    if len(block) <= SHORT_BLOCK_BYTES:
+        return xxhash.xxh3_64_intdigest(block, seed=key)
+    link = xxhash.xxh3_64_intdigest(block).to_bytes(8, "little")
     return xxhash.xxh3_64_intdigest(link, seed=key)
 
 
-def python_prefix_keys(data: bytes, step: int, seed: int) -> list[int]:
-    """:func:`prefix_keys` over token bytes, ``step`` bytes a chunk, in Python alone."""
+def python_prefix_keys(data: bytes, step: int, stride: int, seed: int) -> list[int]:
+    """:func:`prefix_keys` over token bytes, ``step`` bytes a block, in Python alone."""
     keys: list[int] = []
     key = seed
-    for start in range(0, len(data) - len(data) % step, step):
-        key = python_next_key(key, data[start : start + step], first=not keys)
-        keys.append(key)
+    for block, start in enumerate(range(0, len(data) - len(data) % step, step), start=1):
+        key = python_next_key(key, data[start : start + step])
+        if block % stride == 0:
+            keys.append(key)
     return keys

@@ -107,6 +107,9 @@ class RoutingRequest:
     #: Its tenant's cache budget, a fraction of each replica's GPU blocks (``None``:
     #: none): where its new prefix may be computed (router/cache_budget.py).
     cache_budget: float | None = None
+    #: The identity of its first stride of blocks (``replica.api.identity.affinity_key``):
+    #: what rendezvous hashing spreads it by when it is cached nowhere.
+    affinity: int | None = field(default=None, repr=False)
 
     @property
     def predicted_uncached_tokens(self) -> int:

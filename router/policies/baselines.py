@@ -54,10 +54,12 @@ class PowerOfTwo(Policy):
 
 
 def rendezvous_key(request: RoutingRequest) -> bytes:
-    """What rendezvous hashing hashes: the first block's identity, else the request id."""
-    if request.stride_hashes:
-        return request.stride_hashes[0].to_bytes(8, "little")
-    return request.request_id.encode()
+    """What rendezvous hashing hashes: the identity of the prompt's first stride (its
+    affinity, else its first key), else the request id."""
+    first = request.affinity
+    if first is None and request.stride_hashes:
+        first = request.stride_hashes[0]
+    return request.request_id.encode() if first is None else first.to_bytes(8, "little")
 
 
 def rendezvous(key: bytes, replicas: Sequence[ReplicaState]) -> ReplicaState:

@@ -20,7 +20,7 @@ def seed(salt: str | None) -> int:
 
 
 def request(tokens: np.ndarray, salt: str, budget: float | None) -> RoutingRequest:
-    hashes = prefix_keys(tokens, BLOCK * 4, seed(salt))
+    hashes = prefix_keys(tokens, BLOCK, 4, seed(salt))
     return RoutingRequest("r", len(tokens), hashes, tenant=salt, cache_budget=budget)
 
 

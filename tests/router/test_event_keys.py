@@ -13,7 +13,7 @@ BLOCK, STRIDE = 16, 4
 
 
 def keys_of(tokens: np.ndarray, salt: str | None = None) -> list[int]:
-    return prefix_keys(tokens, BLOCK * STRIDE, identity_seed(DEFAULT_MODEL, salt))
+    return prefix_keys(tokens, BLOCK, STRIDE, identity_seed(DEFAULT_MODEL, salt))
 
 
 def stored(hashes, tokens: np.ndarray, parent=None, medium="GPU", salt=None) -> KVEvent:

@@ -15,12 +15,12 @@ from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_pol
 from tests.shared import FakeClock, prompt
 
 SEED = identity_seed(DEFAULT_MODEL)
-STRIDE_TOKENS = 64
+BLOCK, STRIDE = 16, 4
 BASES = [prompt(3000, 100_000 * b) for b in range(4)]
 
 
 def keys(tokens: np.ndarray) -> list[int]:
-    return prefix_keys(tokens, STRIDE_TOKENS, SEED)
+    return prefix_keys(tokens, BLOCK, STRIDE, SEED)
 
 
 def scan_costs(policy, request: RoutingRequest, fleet: list[ReplicaState]) -> list[float]:

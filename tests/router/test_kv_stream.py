@@ -115,7 +115,7 @@ REPLICA = ["replica", "--speedup", "50", "--num-blocks", "256", "--host-blocks",
 
 
 def keys(tokens: np.ndarray) -> list[int]:
-    return prefix_keys(tokens, 64, identity_seed(DEFAULT_MODEL))
+    return prefix_keys(tokens, 16, 4, identity_seed(DEFAULT_MODEL))
 
 
 def index() -> PrefixIndex:
@@ -130,10 +130,8 @@ def complete(url: str, i: int) -> None:
 
 
 def held(idx: PrefixIndex) -> tuple[set[int], set[int]]:
-    bit = 1
-    gpu = {k for k, mask in idx.stored.holders.items() if mask & bit}  # type: ignore[union-attr]
-    host = {k for k, mask in idx.host.holders.items() if mask & bit}  # type: ignore[union-attr]
-    return gpu, host
+    assert idx.stored is not None and idx.host is not None
+    return set(idx.stored.held(0)), set(idx.host.held(0))
 
 
 def truth(url: str) -> tuple[set[int], set[int]]:

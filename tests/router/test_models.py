@@ -95,8 +95,8 @@ def test_an_adapters_events_key_to_the_identities_the_gateway_hashes():
     tokens = prompt(64)
     keys = EventKeys("llama", 16, 1)
     event = KVEvent(1, "stored", (1, 2, 3, 4), None, (), "GPU", tokens.tobytes(), "t", "sql")
-    assert keys.stored(event) == prefix_keys(tokens, 16, identity_seed("sql", "t"))
-    assert keys.stored(event) != prefix_keys(tokens, 16, identity_seed("llama", "t"))
+    assert keys.stored(event) == prefix_keys(tokens, 16, 1, identity_seed("sql", "t"))
+    assert keys.stored(event) != prefix_keys(tokens, 16, 1, identity_seed("llama", "t"))
 
 
 def test_cache_aware_sends_a_cold_adapter_prompt_where_a_slot_holds_its_adapter():
@@ -108,7 +108,7 @@ def test_cache_aware_sends_a_cold_adapter_prompt_where_a_slot_holds_its_adapter(
     fleet[2].loaded_adapters = ("geo", "sql")
 
     def cold(adapter: str, start: int) -> RoutingRequest:
-        keys = prefix_keys(prompt(512, start), 16, identity_seed(adapter))
+        keys = prefix_keys(prompt(512, start), 16, 1, identity_seed(adapter))
         return RoutingRequest(f"r{start}", 512, keys, model="llama", adapter=adapter)
 
     assert {policy.choose(cold("sql", 1000 * i), fleet).replica_id for i in range(8)} == {"r2"}

@@ -18,11 +18,11 @@ from router.policies import (
 from tests.shared import FakeClock, prompt
 
 SEED = identity_seed(DEFAULT_MODEL)
-STRIDE_TOKENS = 64
+BLOCK, STRIDE = 16, 4
 
 
 def request(tokens: np.ndarray, request_id: str = "r") -> RoutingRequest:
-    return RoutingRequest(request_id, len(tokens), prefix_keys(tokens, STRIDE_TOKENS, SEED))
+    return RoutingRequest(request_id, len(tokens), prefix_keys(tokens, BLOCK, STRIDE, SEED))
 
 
 def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:

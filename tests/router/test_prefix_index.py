@@ -7,6 +7,7 @@ from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, pre
 from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
 from replica.sequence import EngineRequest
+from router.lean_index import KeySets
 from router.prefix_index import IndexConfig, PrefixIndex
 from tests.shared import FakeClock, prompt
 
@@ -15,7 +16,7 @@ SEED = identity_seed(DEFAULT_MODEL)
 
 
 def stride_hashes(tokens: np.ndarray) -> list[int]:
-    return prefix_keys(tokens, BLOCK * STRIDE, SEED)
+    return prefix_keys(tokens, BLOCK, STRIDE, SEED)
 
 
 def make_index(mode: str = "approximate", clock: FakeClock | None = None, **config) -> PrefixIndex:
@@ -189,7 +190,7 @@ def test_both_tiers_match_a_plain_scan_on_a_large_fleet():
         index.stored.add(bit, hashes[:start])  # type: ignore[union-attr]
         index.host.add(bit, hashes[start:cut])  # type: ignore[union-attr]
 
-    def run(holders: dict[int, int], bit: int, hashes: list[int], depth: int) -> int:
+    def run(holders: KeySets, bit: int, hashes: list[int], depth: int) -> int:
         while depth < len(hashes) and (holders.get(hashes[depth], 0) >> bit) & 1:
             depth += 1
         return depth
@@ -197,8 +198,8 @@ def test_both_tiers_match_a_plain_scan_on_a_large_fleet():
     for hashes in bases:
         gpu, host = {}, {}
         for name, bit in index._bits.items():
-            held = run(index.stored.holders, bit, hashes, 0)  # type: ignore[union-attr]
-            more = run(index.host.holders, bit, hashes, held) - held  # type: ignore[union-attr]
+            held = run(index.stored, bit, hashes, 0)  # type: ignore[arg-type]
+            more = run(index.host, bit, hashes, held) - held  # type: ignore[arg-type]
             if held:
                 gpu[name] = held * BLOCK * STRIDE
             if more:

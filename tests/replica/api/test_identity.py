@@ -63,14 +63,16 @@ def test_models_do_not_share_identities_either():
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=700),
-    chunk=st.sampled_from([1, 16, 64, 256]),
+    block=st.sampled_from([1, 16, 60, 64]),  # 60 and 64 tokens: either side of 240 bytes
+    stride=st.sampled_from([1, 4, 5]),
     seed=st.integers(0, 2**64 - 1),
 )
-def test_the_compiled_keys_are_the_python_loops(tokens, chunk, seed):
+def test_the_compiled_keys_are_the_python_loops(tokens, block, stride, seed):
     array = np.array(tokens, dtype=TOKEN_DTYPE)
-    expected = python_prefix_keys(array.tobytes(), chunk * TOKEN_DTYPE.itemsize, seed)
-    assert prefix_keys(array, chunk, seed) == expected
-    assert prefix_keys(array[::1].astype(np.int64), chunk, seed) == expected  # any dtype in
+    expected = python_prefix_keys(array.tobytes(), block * TOKEN_DTYPE.itemsize, stride, seed)
+    assert prefix_keys(array, block, stride, seed) == expected
+    assert len(expected) == len(tokens) // block // stride  # full strides only
+    assert prefix_keys(array[::1].astype(np.int64), block, stride, seed) == expected
 
 
 def test_the_keys_are_compiled_where_a_compiler_is():
@@ -79,13 +81,18 @@ def test_the_keys_are_compiled_where_a_compiler_is():
 
 
 @settings(max_examples=200, deadline=None)
-@given(key=st.integers(0, 2**64 - 1), chunk=st.binary(max_size=600), first=st.booleans())
-def test_a_chain_continues_alike_compiled_or_not(key, chunk, first):
-    assert identity.next_key(key, chunk, first) == python_next_key(key, chunk, first)
+@given(key=st.integers(0, 2**64 - 1), block=st.binary(max_size=600))
+def test_a_chain_continues_alike_compiled_or_not(key, block):
+    assert identity.next_key(key, block) == python_next_key(key, block)
 
 
 def test_a_chain_continued_from_any_key_gives_the_whole_prompts_keys():
-    keys = prefix_keys(tokens, 16, seed)
+    keys = prefix_keys(tokens, 4, 4, seed)  # blocks of 4 tokens (16 bytes), a key per 4
     data = tokens.tobytes()
-    assert keys[0] == block_hashes(tokens, 16, seed)[0]  # the first: a block identity
-    assert keys[5] == identity.next_key(keys[4], data[5 * 64 : 6 * 64], first=False)
+    # The first link is the first block's identity...
+    assert prefix_keys(tokens, 16, 1, seed)[0] == block_hashes(tokens, 16, seed)[0]
+    # ...and a chain goes on from a key with the next blocks' tokens alone.
+    link = keys[4]
+    for block in range(20, 24):
+        link = identity.next_key(link, data[block * 16 : (block + 1) * 16])
+    assert keys[5] == link
