@@ -1,11 +1,7 @@
-"""A vLLM server as a process we own: its command line, a start that fails with the
-reason, and a crash that leaves nothing of the server behind."""
+"""A vLLM server as a process we own: its command line and a start that fails with the
+reason (a crash that leaves nothing of the server behind is the last test of
+tests/router/test_vllm_backends.py, on that module's servers)."""
 
-import os
-import signal
-import socket
-
-import psutil
 import pytest
 
 from deploy.processes import free_port
@@ -16,9 +12,7 @@ from replica.vllm_server import (
     VLLMServer,
     cores_of,
     cpu_build,
-    remove_orphaned_folders,
 )
-from tests.shared import VLLM_ARGS, stop_together
 
 
 def server(model: str, *engine_args: str, cpus: tuple[int, ...] = ()) -> VLLMServer:
@@ -61,44 +55,3 @@ def test_a_start_that_fails_says_why_and_leaves_no_folder(tiny_model):
         failing.start()
     assert "max_model_len" in str(error.value)  # vLLM's own reason, quoted from its log
     assert failing.workdir is None and not failing.alive()
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(tiny_model):
-    """vLLM is several processes: killing one server's API server, as the kernel's OOM
-    killer would, leaves no engine core holding its ports; killing another's guard
-    outright, as Ray kills a killed actor's children, ends that server too, and the next
-    server started sweeps the folder it left. (Both start together, on a core each.)"""
-    first, second = running = [server(str(tiny_model), *VLLM_ARGS, cpus=(i,)) for i in (0, 1)]
-    try:
-        for started in running:
-            started.launch()
-        for started in running:
-            started.wait_ready()
-        guard = psutil.Process(first.process.pid)
-        group = guard.children(recursive=True)
-        assert len(group) >= 2 and all(p.cpu_affinity() == [0] for p in [guard, *group])
-        (api,) = guard.children()
-        os.kill(api.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs([guard, *group], timeout=20)
-        assert not alive, f"left running: {alive}"
-        for port in (first.ports.http, first.ports.kv_events, first.ports.replay):
-            with socket.socket() as probe:  # nothing of the server holds its ports
-                probe.bind(("127.0.0.1", port))
-        folder = first.workdir
-        first.stop()  # a dead server's stop still removes its folder
-        assert first.workdir is None and folder is not None and not folder.exists()
-
-        guard = psutil.Process(second.process.pid)
-        group = guard.children(recursive=True)
-        os.kill(guard.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs(group, timeout=30)
-        assert not alive, f"outlived their guard: {alive}"
-        second.process.wait()  # reaped, as init reaps it once its owner is gone too
-        orphaned, second.workdir = second.workdir, None
-        assert orphaned.exists()
-        remove_orphaned_folders()  # what every server's launch does first
-        assert not orphaned.exists()
-    finally:
-        stop_together(running)

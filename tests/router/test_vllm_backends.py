@@ -1,21 +1,27 @@
 """The gateway in front of real vLLM servers (vLLM's CPU build serving the tiny model):
 precise routing from vLLM's own KV events, each mismatch found and routed around, an
 evicted prefix no longer predicted, a late gateway learning vLLM's cache from its
-replay socket, and a LoRA adapter's blocks, which vLLM salts with its name."""
+replay socket, a LoRA adapter's blocks, which vLLM salts with its name, and, last, a
+crash of the servers that leaves nothing of them behind."""
 
 import contextlib
+import os
 import re
+import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from deploy import processes
 from replica.api.cost_model import get_profile
 from replica.api.tokenizer import WORDS
 from replica.tiny_model import write_tiny_lora
+from replica.vllm_server import remove_orphaned_folders
 from tests.shared import (
     VLLM_ARGS,
     prefix_router,
@@ -227,3 +233,37 @@ def test_calibrate_fits_a_vllm_server_and_reads_its_kv_pool(fresh, tmp_path):
     assert profile.costs.step_s > 0 and profile.costs.token_s > 0
     median = float(re.search(r"median ([\d.]+)%", done.stdout).group(1))
     assert median < 10, done.stdout
+
+
+def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(servers):
+    """vLLM is several processes: killing one server's API server, as the kernel's OOM
+    killer would, leaves no engine core holding its ports; killing another's guard
+    outright, as Ray kills a killed actor's children, ends that server too, and the next
+    server started sweeps the folder it left. Last in this module: it ends the module's
+    servers (a vLLM server takes most of a minute to start)."""
+    first, second = servers
+    guard = psutil.Process(first.process.pid)
+    group = guard.children(recursive=True)
+    cores = list(first.config.cpus) or list(os.sched_getaffinity(0))
+    assert len(group) >= 2 and all(p.cpu_affinity() == cores for p in [guard, *group])
+    (api,) = guard.children()
+    os.kill(api.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs([guard, *group], timeout=20)
+    assert not alive, f"left running: {alive}"
+    for port in (first.ports.http, first.ports.kv_events, first.ports.replay):
+        with socket.socket() as probe:  # nothing of the server holds its ports
+            probe.bind(("127.0.0.1", port))
+    folder = first.workdir
+    first.stop()  # a dead server's stop still removes its folder
+    assert first.workdir is None and folder is not None and not folder.exists()
+
+    guard = psutil.Process(second.process.pid)
+    group = guard.children(recursive=True)
+    os.kill(guard.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(group, timeout=30)
+    assert not alive, f"outlived their guard: {alive}"
+    second.process.wait()  # reaped, as init reaps it once its owner is gone too
+    orphaned, second.workdir = second.workdir, None
+    assert orphaned.exists()
+    remove_orphaned_folders()  # what every server's launch does first
+    assert not orphaned.exists()
