@@ -27,6 +27,7 @@ from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.model_tokenizer import HFTokenizer
 from replica.api.tokenizer import TOKEN_DTYPE
 from router import load
+from router.key_cache import HEAD_TOKENS, PrefixKeyCache
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -69,6 +70,24 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
             prefix_keys(tokens, BLOCK_SIZE, STRIDE, seed)
         hashing.append((time.perf_counter() - start) / len(prompts))
     return 1e6 * statistics.median(decisions), 1e6 * statistics.median(hashing)
+
+
+def bench_seen_turn(prompt_tokens: int, new_tokens: int, repeats: int) -> float:
+    """Median microseconds to key a conversation's next turn (``new_tokens`` more) with
+    the gateway's key cache holding the turn before (router/key_cache.py)."""
+    rng = np.random.default_rng(1)
+    seed = identity_seed(DEFAULT_MODEL)
+    history = rng.integers(0, 2**32, prompt_tokens, dtype=np.uint64).astype(TOKEN_DTYPE)
+    times = []
+    for _ in range(repeats):
+        cache = PrefixKeyCache(BLOCK_SIZE, STRIDE)
+        cache.keys(history, seed)
+        turn = np.concatenate([history, rng.integers(0, 2**32, new_tokens).astype(TOKEN_DTYPE)])
+        start = time.perf_counter()
+        keys = cache.keys(turn, seed)
+        times.append(time.perf_counter() - start)
+        assert keys == prefix_keys(turn, BLOCK_SIZE, STRIDE, seed)  # exact
+    return 1e6 * statistics.median(times)
 
 
 def bench_trace(policies: list[str], replicas: int) -> None:
@@ -149,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"cache_aware: {decision_us:6.1f} us   (hashing that prompt's identities "
                 f"every {BLOCK_SIZE * STRIDE} tokens: {hashing_us:.1f} us)"
             )
+        if tokens >= HEAD_TOKENS:
+            seen_us = bench_seen_turn(tokens, 200, 10 * args.repeats)
+            print(f"keying the next turn (200 new tokens) of a {tokens}-token conversation "
+                  f"the gateway has seen: {seen_us:.1f} us")  # fmt: skip
     tokenizer = HFTokenizer.load(Path(args.tokenizer)) if args.tokenizer else default_tokenizer()
     for tokens in (int(n) for n in args.prompt_tokens.split(",")):
         ms = bench_tokenizing(tokenizer, tokens, args.tokenize_repeats)

@@ -11,6 +11,7 @@ from replica.api.identity import DEFAULT_MODEL
 from replica.api.token_cache import DEFAULT_CACHE_TOKENS
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.fairness import check_fairness
+from router.key_cache import DEFAULT_KEY_CACHE_TOKENS
 from router.policies import POLICIES, PolicyConfig
 
 
@@ -58,6 +59,9 @@ class GatewayConfig:
     #: tokens (0: none): a turn then tokenizes only its new messages
     #: (replica/api/token_cache.py; its size in ``/stats``).
     tokenizer_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    #: Recent long prompts' tokens and keys, in tokens (0: none): a conversation's next
+    #: turn hashes only its new tokens (router/key_cache.py; its size in ``/stats``).
+    key_cache_tokens: int = DEFAULT_KEY_CACHE_TOKENS
     #: The policies' knobs, the fleet's block size and the router's stride: the very
     #: object the offline replayer routes with (``ReplayConfig.routing``).
     routing: PolicyConfig = field(default_factory=PolicyConfig)
@@ -116,7 +120,8 @@ class GatewayConfig:
                   max_prompt_tokens=self.max_prompt_tokens)  # fmt: skip
         _at_least(0, max_queued=self.max_queued, max_retries=self.max_retries,
                   retry_backoff_s=self.retry_backoff_s,
-                  tokenizer_cache_tokens=self.tokenizer_cache_tokens)  # fmt: skip
+                  tokenizer_cache_tokens=self.tokenizer_cache_tokens,
+                  key_cache_tokens=self.key_cache_tokens)  # fmt: skip
         _positive(kv_events_interval_s=self.kv_events_interval_s,
                   describe_interval_s=self.describe_interval_s,
                   upstream_connect_timeout_s=self.upstream_connect_timeout_s,

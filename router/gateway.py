@@ -17,7 +17,7 @@ import aiohttp
 import numpy as np
 
 from replica.api import openai as api
-from replica.api.identity import affinity_key, identity_seed, prefix_keys
+from replica.api.identity import affinity_key, identity_seed
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router import cache_budget
@@ -28,6 +28,7 @@ from router.backends import BackendPool
 from router.config import GatewayConfig
 from router.fairness import FairShare
 from router.hot_prefixes import HotPrefixes
+from router.key_cache import PrefixKeyCache
 from router.metrics import GatewayMetrics
 from router.models import ModelRoutes, ServedName
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
@@ -43,6 +44,9 @@ class Gateway:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(
             config.tokenizer, config.chat_template, config.tokenizer_cache_tokens
+        )
+        self.prefix_keys = PrefixKeyCache(
+            config.routing.block_size, config.routing.index.stride, config.key_cache_tokens
         )
         self.rng = np.random.default_rng(config.seed)
         self.policy_name = config.policy
@@ -127,7 +131,7 @@ class Gateway:
             self._learn_salt(cache_salt, tenant)
         routing = self.config.routing
         block_size, stride = routing.block_size, routing.index.stride
-        hashes = prefix_keys(prompt, block_size, stride, seed)
+        hashes = self.prefix_keys.keys(prompt, seed)
         self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
         return RoutingRequest(
             api.new_id("route"), len(prompt), hashes, tenant=tenant,
@@ -203,6 +207,7 @@ class Gateway:
         stats = self.accounting.stats(
             self.policy_name, self.config, self.pool, self.admission, self.tenant_footprint()
         )
+        stats = replace(stats, key_cache=self.prefix_keys.stats())
         if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.pieces is not None:
             return replace(stats, tokenizer_cache=self.tokenizer.pieces.stats())
         return stats

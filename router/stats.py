@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from replica.api.token_cache import TokenCacheStats
 from router.config import GatewayConfig
+from router.key_cache import KeyCacheStats
 
 
 @dataclass
@@ -166,6 +167,8 @@ class GatewayStats:
     models: dict[str, TenantStats] = field(default_factory=dict)
     #: Its tokenizer's cache of chats' pieces (None: none, as for ``bytes4``).
     tokenizer_cache: TokenCacheStats | None = None
+    #: Its cache of recent long prompts' keys (router/key_cache.py).
+    key_cache: KeyCacheStats | None = None
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

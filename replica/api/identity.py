@@ -96,6 +96,37 @@ def prefix_keys(tokens: np.ndarray, block_size: int, stride: int, seed: int) -> 
     return python_prefix_keys(data.tobytes(), step, stride, seed)
 
 
+def prefix_keys_after(
+    tokens: np.ndarray,
+    block_size: int,
+    stride: int,
+    seed: int,
+    old_tokens: np.ndarray,
+    old_keys: list[int],
+) -> tuple[list[int], int]:
+    """:func:`prefix_keys` of ``tokens``, given an earlier prompt's tokens and keys (the
+    same seed and sizes), and how many of those it kept: the strides both hold token for
+    token keep the earlier keys, and the chain goes on from the last of them. Exact: the
+    same keys as hashing the whole; what is hashed is what is new (the rest is compared,
+    a ``memcmp``)."""
+    data = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).data
+    old = np.ascontiguousarray(old_tokens, dtype=TOKEN_DTYPE).data
+    step = block_size * TOKEN_DTYPE.itemsize
+    if _compiled is not None:
+        return _compiled.prefix_keys_after(data, step, stride, seed, old, old_keys)
+    chunk = step * stride
+    new, before = data.tobytes(), old.tobytes()
+    low, high = 0, min(len(new) // chunk, len(before) // chunk, len(old_keys))
+    while low < high:  # the most leading strides that agree, by bisection
+        middle = (low + high + 1) // 2
+        if new[: middle * chunk] == before[: middle * chunk]:
+            low = middle
+        else:
+            high = middle - 1
+    key = old_keys[low - 1] if low else seed
+    return old_keys[:low] + python_prefix_keys(new[low * chunk :], step, stride, key), low
+
+
 def affinity_key(tokens: np.ndarray, block_size: int, stride: int, seed: int) -> int | None:
     """The identity of a prompt's first ``stride`` blocks, as the replica computes it
     (``None`` if shorter): what rendezvous hashing spreads cold prompts by. It does not

@@ -116,6 +116,30 @@ def test_every_prediction_is_the_cached_prefix_the_replica_then_reports(fleet):
     assert shared > 1000 and len(replicas) == 1  # the cached prefix was long, and followed
 
 
+def test_a_long_conversations_turns_keep_their_keys_and_predict_exactly(fleet):
+    """A 5,000-token conversation, turn after turn: the gateway hashes each turn's new
+    tokens only (router/key_cache.py), and still predicts exactly what is cached."""
+    url, _ = fleet
+    before = gateway_stats(url).key_cache
+    messages = [{"role": "system", "content": "A long shared history of this chat. " * 560}]
+    prompts = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question {turn} about the history?"})
+        prompt = ByteTokenizer().apply_chat_template(messages)
+        body = {"messages": messages, "max_tokens": 4, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        predicted = int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+        shared = max((shared_tokens(prompt, p) for p in prompts), default=0)
+        assert predicted == min(shared, len(prompt) - 1) // 64 * 64, turn
+        prompts.append(prompt)
+        reply = answer.json()["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": reply})
+    after = gateway_stats(url).key_cache
+    assert before is not None and after is not None and len(prompts[0]) > 5000
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 1)
+    assert after.kept_keys - before.kept_keys >= 2 * (len(prompts[0]) // 64 - 1)
+
+
 def test_load_returns_to_zero_and_predictions_are_counted(fleet, client):
     url, _ = fleet
     for i in range(3):

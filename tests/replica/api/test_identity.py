@@ -96,3 +96,29 @@ def test_a_chain_continued_from_any_key_gives_the_whole_prompts_keys():
     for block in range(20, 24):
         link = identity.next_key(link, data[block * 16 : (block + 1) * 16])
     assert keys[5] == link
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    common=st.integers(0, 400),
+    old_tail=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    new_tail=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    block=st.sampled_from([1, 16, 64]),
+    stride=st.sampled_from([1, 4]),
+)
+def test_keys_continued_from_an_earlier_prompt_are_the_whole_prompts(
+    common, old_tail, new_tail, block, stride
+):
+    shared = np.arange(1, common + 1, dtype=TOKEN_DTYPE)
+    old = np.concatenate([shared, np.array(old_tail, dtype=TOKEN_DTYPE)])
+    new = np.concatenate([shared, np.array(new_tail, dtype=TOKEN_DTYPE)])
+    old_keys = prefix_keys(old, block, stride, seed)
+    keys, kept = identity.prefix_keys_after(new, block, stride, seed, old, old_keys)
+    assert keys == prefix_keys(new, block, stride, seed)  # exact
+    assert kept >= common // (block * stride)  # the shared strides were not hashed again
+    assert all(a is b for a, b in zip(keys[:kept], old_keys, strict=False))
+    compiled, identity._compiled = identity._compiled, None
+    try:
+        assert identity.prefix_keys_after(new, block, stride, seed, old, old_keys) == (keys, kept)
+    finally:
+        identity._compiled = compiled
