@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from deploy.processes import free_port
 from replica.api.config import ReplicaConfig
 from router.config import GatewayConfig
 from tests.loadtest.test_bench import TINY, check_report
-from tests.shared import VLLM_ARGS, vllm_processes, vllm_work_folders, wait_until_checked
+from tests.shared import (
+    VLLM_ARGS,
+    gateway_stats,
+    vllm_processes,
+    vllm_work_folders,
+    wait_for,
+    wait_until_checked,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -173,7 +181,7 @@ def test_a_wrong_authentication_token_is_named_as_the_problem(head):
     assert f"the Ray cluster at {head} refused this machine's authentication token" in done.stderr
 
 
-def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
+def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it_and_a_killed_gateway(head):
     _, gateway, _ = up_two_replicas()
     try:
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
@@ -191,6 +199,23 @@ def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it(head):
         assert after["replica-0"] == before["replica-0"]
         assert after["replica-1"] != before["replica-1"]  # restarted, re-admitted on a new port
         assert httpx.get(after["replica-1"] + "/health").status_code == 200
+
+        # The gateway's process killed outright: Ray restarts its actor, which takes the
+        # port again as it starts and learns both replicas before it serves.
+        killed = gateway_stats(gateway).pid
+        os.kill(killed, signal.SIGKILL)
+
+        def back() -> bool:
+            try:
+                stats = gateway_stats(gateway)
+            except httpx.HTTPError:
+                return False
+            return stats.pid != killed and sum(b.healthy for b in stats.backends) == 2
+
+        wait_for(back, 60, "the killed gateway restarted by Ray, serving on its port")
+        answer = httpx.post(gateway + "/v1/completions", timeout=30,
+                            json={"prompt": "back again", "max_tokens": 2})  # fmt: skip
+        assert answer.status_code == 200
     finally:
         ray.shutdown()
         prefix_router("down", "--address", "auto")

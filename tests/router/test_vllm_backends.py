@@ -252,6 +252,9 @@ def test_a_crashed_api_server_or_guard_takes_the_whole_server_with_it(servers):
     assert not alive, f"left running: {alive}"
     for port in (first.ports.http, first.ports.kv_events, first.ports.replay):
         with socket.socket() as probe:  # nothing of the server holds its ports
+            # as a restarted server binds: past the connections the kill left in
+            # TIME_WAIT (this module's gateways talked to it), never past a listener
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", port))
     folder = first.workdir
     first.stop()  # a dead server's stop still removes its folder
