@@ -68,6 +68,16 @@ static int engine_hash(PyObject *value, uint64_t *out) {
     return -1;
 }
 
+/* Append ``value`` to ``list`` as a Python int: 0, or -1 on error. */
+static int append_u64(PyObject *list, unsigned long long value) {
+    PyObject *item = PyLong_FromUnsignedLongLong(value);
+    if (item == NULL)
+        return -1;
+    int failed = PyList_Append(list, item);
+    Py_DECREF(item);
+    return failed;
+}
+
 /* ------------------------------------------------------------------ BlockTable */
 
 typedef struct {
@@ -243,12 +253,8 @@ static PyObject *BlockTable_stored(BlockTable *self, PyObject *args) {
         link = chain_key(link, bytes + i * step, (size_t)step);
         phase = (phase + 1) % (unsigned int)stride;
         if (phase == 0) {
-            PyObject *key = PyLong_FromUnsignedLongLong(link);
-            if (key == NULL || PyList_Append(keys, key) < 0) {
-                Py_XDECREF(key);
+            if (append_u64(keys, link) < 0)
                 goto done;
-            }
-            Py_DECREF(key);
         }
         Py_ssize_t slot = blocks_find(self, hash);
         unsigned int tiers = slot >= 0 ? self->flags[slot] & TIERS_MASK : 0;
@@ -259,12 +265,8 @@ static PyObject *BlockTable_stored(BlockTable *self, PyObject *args) {
             continue;
         }
         if (tiers & GPU_TIER) { /* a block the GPU held under another chain */
-            PyObject *old = PyLong_FromUnsignedLong(self->salts[slot]);
-            if (old == NULL || PyList_Append(displaced, old) < 0) {
-                Py_XDECREF(old);
+            if (append_u64(displaced, self->salts[slot]) < 0)
                 goto done;
-            }
-            Py_DECREF(old);
             gpu_added++;
         }
         if (blocks_put(self, hash, link, salt, (uint8_t)(phase << 2 | tier | tiers)) < 0)
@@ -303,25 +305,15 @@ static PyObject *BlockTable_removed(BlockTable *self, PyObject *args) {
             continue;
         self->flags[slot] &= (uint8_t)~tier;
         if (tier == GPU_TIER) {
-            PyObject *salt = PyLong_FromUnsignedLong(self->salts[slot]);
-            if (salt == NULL || PyList_Append(gpu_salts, salt) < 0) {
-                Py_XDECREF(salt);
+            if (append_u64(gpu_salts, self->salts[slot]) < 0)
                 goto done;
-            }
-            Py_DECREF(salt);
         }
         int boundary = (self->flags[slot] >> 2) == 0;
         uint64_t link = self->links[slot];
         if (!(self->flags[slot] & TIERS_MASK))
             blocks_delete(self, slot);
-        if (boundary) {
-            PyObject *key = PyLong_FromUnsignedLongLong(link);
-            if (key == NULL || PyList_Append(keys, key) < 0) {
-                Py_XDECREF(key);
-                goto done;
-            }
-            Py_DECREF(key);
-        }
+        if (boundary && append_u64(keys, link) < 0)
+            goto done;
     }
     result = PyTuple_Pack(2, keys, gpu_salts);
 done:
@@ -578,6 +570,20 @@ static long changed_mask(KeySets *t, uint32_t number, PyObject *bitmask, int add
     return result;
 }
 
+/* ``1 << bit``, a replica's bitmask (a new reference, NULL on error). */
+static PyObject *replica_mask(Py_ssize_t bit) {
+    if (bit < 0) {
+        PyErr_SetString(PyExc_ValueError, "a replica's bit is not negative");
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1), *position = PyLong_FromSsize_t(bit), *mask = NULL;
+    if (one && position)
+        mask = PyNumber_Lshift(one, position);
+    Py_XDECREF(one);
+    Py_XDECREF(position);
+    return mask;
+}
+
 /* add(bit, keys) / discard(bit, keys) */
 static PyObject *KeySets_change(KeySets *self, PyObject *args, int adding) {
     Py_ssize_t bit;
@@ -592,10 +598,7 @@ static PyObject *KeySets_change(KeySets *self, PyObject *args, int adding) {
     PyObject *sequence = PySequence_Fast(keys, "keys must be a sequence");
     if (sequence == NULL)
         return NULL;
-    PyObject *one = PyLong_FromLong(1), *bitmask = NULL, *position = PyLong_FromSsize_t(bit);
-    PyObject *result = NULL;
-    if (one && position)
-        bitmask = PyNumber_Lshift(one, position);
+    PyObject *result = NULL, *bitmask = replica_mask(bit);
     if (bitmask == NULL)
         goto done;
     Step cache = {0, 0};
@@ -644,8 +647,6 @@ static PyObject *KeySets_change(KeySets *self, PyObject *args, int adding) {
     result = Py_NewRef(Py_None);
 done:
     Py_DECREF(sequence);
-    Py_XDECREF(one);
-    Py_XDECREF(position);
     Py_XDECREF(bitmask);
     return result;
 }
@@ -677,11 +678,8 @@ static PyObject *KeySets_clear(KeySets *self, PyObject *arg) {
         return NULL;
     if (bit < 0 || bit >= self->sizes_len || self->sizes[bit] == 0)
         Py_RETURN_NONE;
-    PyObject *one = PyLong_FromLong(1), *position = PyLong_FromSsize_t(bit), *bitmask = NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *bitmask = replica_mask(bit);
     uint32_t *remap = NULL, live = self->masks_size;
-    if (one && position)
-        bitmask = PyNumber_Lshift(one, position);
     if (bitmask == NULL)
         goto done;
     remap = PyMem_Calloc(live, sizeof(uint32_t)); /* 0: unchanged */
@@ -735,8 +733,6 @@ fail:
     PyMem_Free(gone);
 done:
     PyMem_Free(remap);
-    Py_XDECREF(one);
-    Py_XDECREF(position);
     Py_XDECREF(bitmask);
     return result;
 }
@@ -746,14 +742,9 @@ static PyObject *KeySets_held(KeySets *self, PyObject *arg) {
     Py_ssize_t bit = PyLong_AsSsize_t(arg);
     if (bit == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *keys = PyList_New(0), *one = PyLong_FromLong(1), *position = NULL;
-    PyObject *bitmask = NULL;
+    PyObject *keys = PyList_New(0), *bitmask = replica_mask(bit);
     int8_t *has = PyMem_Calloc(self->masks_size ? self->masks_size : 1, 1); /* 0: unknown */
-    if (keys == NULL || one == NULL || has == NULL || bit < 0)
-        goto fail;
-    position = PyLong_FromSsize_t(bit);
-    bitmask = position ? PyNumber_Lshift(one, position) : NULL;
-    if (bitmask == NULL)
+    if (keys == NULL || bitmask == NULL || has == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < self->size; i++) {
         uint32_t number = self->ids[i];
@@ -768,23 +759,17 @@ static PyObject *KeySets_held(KeySets *self, PyObject *arg) {
             has[number] = truth ? 1 : -1;
         }
         if (has[number] > 0) {
-            PyObject *key = PyLong_FromUnsignedLongLong(self->keys[i]);
-            if (key == NULL || PyList_Append(keys, key) < 0) {
-                Py_XDECREF(key);
+            if (append_u64(keys, self->keys[i]) < 0)
                 goto fail;
-            }
-            Py_DECREF(key);
         }
     }
     goto done;
 fail:
     if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "a replica's bit is not negative");
+        PyErr_NoMemory(); /* what else fails without saying */
     Py_CLEAR(keys);
 done:
     PyMem_Free(has);
-    Py_XDECREF(one);
-    Py_XDECREF(position);
     Py_XDECREF(bitmask);
     return keys;
 }

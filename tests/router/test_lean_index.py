@@ -135,7 +135,9 @@ def test_an_index_on_the_python_twins_predicts_as_one_on_the_packed_tables(monke
         assert gpu == twin.match(keys)
         assert packed.match_host(keys, gpu) == twin.match_host(keys, gpu)
         answers += bool(gpu)
-    assert answers  # something was held
+    assert answers  # something was held, on the GPU and in the host tier
+    assert packed.host is not None and twin.host is not None
+    assert len(packed.host) == len(twin.host) > 0
     for name in "ab":
         assert packed.gpu_blocks_by_salt(name) == twin.gpu_blocks_by_salt(name)
         assert packed.num_entries(name) == twin.num_entries(name) > 0
