@@ -41,6 +41,7 @@ from router.cache_budget import within_budget
 from router.fairness import FairQueue, FairShare, check_fairness
 from router.models import ModelRoutes, ServedName
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.slots import with_free_slot
 
 
 @dataclass(frozen=True)
@@ -401,12 +402,15 @@ class Simulation:
             self._dispatch(waiting, self._free(waiting))
 
     def _free(self, waiting: _Waiting) -> list[ReplicaState]:
-        """The replicas that serve ``waiting`` with a slot free for it: below
-        ``max_outstanding``, less the reserve if its tenant is beyond its share."""
-        cap = self.config.max_outstanding
-        if not self.fair_shares[waiting.router].within_share(waiting.routing):
-            cap -= min(self.config.fair_reserve_per_replica, cap - 1)
-        return [r for r in self._serving(waiting) if r.outstanding_requests < cap]
+        """The replicas that serve ``waiting`` with a slot free for it, as a gateway's
+        are (router/slots.py)."""
+        routing, config = waiting.routing, self.config
+        policy = self.routers[waiting.router][0].policy(routing.model)
+        return with_free_slot(
+            routing, self._serving(waiting), self.fair_shares[waiting.router],
+            config.max_outstanding, config.fair_reserve_per_replica,
+            lambda: policy.holders(routing),
+        )  # fmt: skip
 
     def _dispatch(self, waiting: _Waiting, candidates: list[ReplicaState]) -> None:
         session_index, turn_index, routing = waiting.session, waiting.turn, waiting.routing

@@ -33,6 +33,7 @@ from router.metrics import GatewayMetrics
 from router.models import ModelRoutes, ServedName
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
 from router.policies.indexed import IndexedPolicy
+from router.slots import with_free_slot
 from router.stats import GatewayStats
 
 #: The most cache salts whose tenant the gateway remembers.
@@ -195,13 +196,15 @@ class Gateway:
         return self.models.serving(served, states)
 
     def available(self, request: RoutingRequest) -> list[ReplicaState]:
-        """Those of :meth:`serving` below their cap of requests in flight (less the
-        reserve, for a tenant beyond its share: router/fairness.py)."""
-        states = self.serving(request)
-        limit = self.config.max_outstanding_per_replica
-        if not self.admission.fair.within_share(request):
-            limit -= min(self.config.fair_reserve_per_replica, limit - 1)
-        return [s for s in states if s.outstanding_requests < limit]
+        """Those of :meth:`serving` with a slot free for the request: below their cap
+        of requests in flight, less the reserve for a tenant beyond its share, over
+        it on its home for one within (router/slots.py)."""
+        config = self.config
+        return with_free_slot(
+            request, self.serving(request), self.admission.fair,
+            config.max_outstanding_per_replica, config.fair_reserve_per_replica,
+            lambda: self.policy_of(request).holders(request),
+        )  # fmt: skip
 
     def stats(self) -> GatewayStats:
         stats = self.accounting.stats(

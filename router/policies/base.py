@@ -230,6 +230,11 @@ class Policy:
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         raise NotImplementedError
 
+    def holders(self, request: RoutingRequest) -> dict[str, int]:
+        """The prompt tokens each replica is predicted to hold on its GPU, by replica id
+        (absent: none; a policy that keeps no index predicts none)."""
+        return {}
+
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         """Called once the request is sent to ``replica``."""
 

@@ -56,6 +56,9 @@ class IndexedPolicy(Policy):
         if not self.index.knows(replica.replica_id):
             self.on_replica_added(replica)
 
+    def holders(self, request: RoutingRequest) -> dict[str, int]:
+        return self._matches(request, ())
+
     def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
         """Cached tokens of the replicas that hold any (absent: none)."""
         matched = self.index.match(request.stride_hashes)

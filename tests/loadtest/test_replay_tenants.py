@@ -23,7 +23,11 @@ def run(fairness: str) -> dict:
     result = replay(chat_workload(TENANTS), replace(FLEET, fairness=fairness), "cache_aware")
     assert all(r.error is None and r.finish_s is not None for r in result.records)
     assert max(r.dispatched_s - r.arrival_s for r in result.records) > 0  # some waited
-    assert max_in_flight(result) == FLEET.max_outstanding  # reached, never passed
+    most, cap = max_in_flight(result), FLEET.max_outstanding
+    if fairness == "fcfs":
+        assert most == cap  # reached, never passed
+    else:  # a light tenant may pass it on its prompt's replica, up to twice (router/slots.py)
+        assert cap <= most <= 2 * cap
     return replay_row(result, fairness)
 
 
@@ -60,15 +64,20 @@ def test_fair_queues_keep_a_flood_from_delaying_the_steady_tenants():
 
 
 def test_the_reserve_keeps_a_slot_free_for_light_tenants():
-    """Two tenants well below their share beside one sending 12 times their sessions:
+    """Two tenants well below their share beside one sending 12 times their requests:
     without slots kept back, a light tenant's request waits for one of the flood's to
-    end; with them (the default), it finds one free and does not queue."""
-    light = ChatConfig(tenants="a=1,b=1,noisy=12", session_rate=0.15, num_sessions=12)
+    end; with them (the default), it finds one free and does not queue. Each request
+    is a new prompt (one turn, no system prompt to share): no replica holds it, so
+    none may take it over the cap (router/slots.py), and the reserve alone frees a slot."""
+    light = ChatConfig(
+        tenants="a=1,b=1,noisy=12", session_rate=0.5, num_sessions=20, num_apps=1,
+        system_prompt_tokens=8, max_turns=1, reply_tokens=600,
+    )  # fmt: skip
     fleet = replace(FLEET, replicas=4)
     reserved, shared = (
         replay_row(
             replay(
-                chat_workload(replace(light, num_apps=1)),
+                chat_workload(light),
                 replace(fleet, fair_reserve_per_replica=reserve),
                 "cache_aware",
             )

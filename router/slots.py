@@ -1,0 +1,65 @@
+"""Which replicas have a slot for a request: the cap, the reserve, and a light tenant's
+home.
+
+A gateway gives each replica at most ``max_outstanding`` requests at a time; the rest
+wait in its queue (router/admission.py), and the replayer's routers do the same.
+With tenants, who may take a slot depends on their share (router/fairness.py):
+
+- A tenant **beyond its share** fills a replica only up to the cap less the
+  ``reserve``: the reserved slots stay free for lighter tenants, so that their
+  requests do not wait for a flood's to end.
+- A tenant **within its share** fills any replica up to the cap, and the replicas
+  predicted to hold the most of its prompt up to twice the cap. Without that
+  overflow, a light tenant's next turn finds its replica full (the flood holds all
+  but the reserve, and the light tenants whose prompts live there share the reserve)
+  and moves to a cold replica, where it prefills its whole history again: in replay,
+  beside a tenant sending ten times its rate, that caused nine of a steady tenant's
+  ten slowest first tokens. One more request on its home costs that replica a
+  sequence in its batch; moving costs the whole prefix. Light tenants' conversations
+  gather on a few replicas (those holding their prompts), so an overflow as small as
+  the reserve still moved some of them (their TTFT p99 1.07-1.30x their figure alone
+  over six seeds, against 0.94-1.09x at twice the cap; docs/results.md). This is the
+  bound on affinity: it never holds a request in the queue, and a replica holds at
+  most twice the cap, the part over the cap all within-share tenants' requests on
+  their own prompts' replicas.
+
+Without tenants, or first come first served, every request fills every replica up to
+the cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from router.fairness import FairShare
+from router.policies import ReplicaState, RoutingRequest
+
+
+def with_free_slot(
+    request: RoutingRequest,
+    replicas: Sequence[ReplicaState],
+    fair: FairShare,
+    max_outstanding: int,
+    reserve: int,
+    holders: Callable[[], Mapping[str, int]],
+) -> list[ReplicaState]:
+    """Those of ``replicas`` that may take ``request`` now (see the module's doc);
+    ``holders`` gives the prompt tokens each replica is predicted to hold, asked only
+    when a within-share tenant's request might go over the cap."""
+    if not fair.within_share(request):
+        cap = max_outstanding - min(reserve, max_outstanding - 1)
+        return [r for r in replicas if r.outstanding_requests < cap]
+    free = [r for r in replicas if r.outstanding_requests < max_outstanding]
+    if fair.queue_key(request.tenant) is None:
+        return free  # no tenants to keep apart
+    full = [r for r in replicas if r.outstanding_requests >= max_outstanding]
+    held = holders() if full else {}
+    if not held:
+        return free
+    most = max(held.values())
+    home = [
+        r
+        for r in full
+        if held.get(r.replica_id) == most and r.outstanding_requests < 2 * max_outstanding
+    ]
+    return free + home

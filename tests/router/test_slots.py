@@ -1,0 +1,157 @@
+"""Which replicas have a slot for a request: the cap, the reserve kept from a tenant
+beyond its share, and the overflow that keeps a light tenant on its cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+import httpx
+import pytest
+
+from deploy.processes import running
+from replica.api import stats as stats_codec
+from router import load
+from router.fairness import FairShare
+from router.policies import ReplicaState, RoutingRequest
+from router.slots import with_free_slot
+from router.stats import GatewayStats
+from tests.router.test_policies import dispatch, fleet, policy, request
+from tests.shared import prompt
+
+CAP, RESERVE = 4, 2
+
+
+def shares() -> FairShare:
+    """A flood far beyond its share beside a light tenant (both active now)."""
+    now = [0.0]
+    fair = FairShare(half_life_s=30, clock=lambda: now[0])
+    for tenant, tokens in ("flood", 10_000), ("light", 10):
+        fair.dispatched(RoutingRequest("r", 10, [], tenant=tenant))
+        fair.charge(tenant, tokens)
+    return fair
+
+
+def filled(replicas: list[ReplicaState], counts: list[int]) -> list[ReplicaState]:
+    for replica, count in zip(replicas, counts, strict=True):
+        replica.outstanding_requests = count
+    return replicas
+
+
+def names(replicas: list[ReplicaState]) -> list[str]:
+    return [r.replica_id for r in replicas]
+
+
+def free(
+    request: RoutingRequest,
+    replicas: list[ReplicaState],
+    held: Callable[[], Mapping[str, int]],
+    fair: FairShare | None = None,
+    reserve: int = RESERVE,
+) -> list[str]:
+    return names(with_free_slot(request, replicas, fair or shares(), CAP, reserve, held))
+
+
+def test_a_tenant_beyond_its_share_leaves_the_reserve_free():
+    replicas = filled(fleet(4), [0, 1, 2, 4])
+    flood = RoutingRequest("f", 10, [], tenant="flood")
+    asked: list[int] = []
+    held = lambda: asked.append(1) or {"replica-3": 10}  # noqa: E731
+    assert free(flood, replicas, held) == ["replica-0", "replica-1"]  # below CAP - RESERVE
+    assert not asked  # its home is never asked for
+    # the reserve never takes a replica's last slot
+    assert free(flood, replicas, held, reserve=9) == ["replica-0"]
+
+
+def test_a_light_tenant_goes_over_the_cap_on_its_home_only_and_to_twice_the_cap_at_most():
+    replicas = filled(fleet(4), [1, 4, 7, 8])
+    light = RoutingRequest("l", 10, [], tenant="light")
+    held = {"replica-1": 64, "replica-2": 64, "replica-3": 64, "replica-0": 16}
+    # replica-0 below the cap; replicas 1 and 2 hold the most and are below twice the
+    # cap; replica-3 holds as much but is at twice the cap
+    assert free(light, replicas, lambda: held) == ["replica-0", "replica-1", "replica-2"]
+    held["replica-2"] = 32  # replica-1 alone holds the most: the one that may overflow
+    assert free(light, replicas, lambda: held) == ["replica-0", "replica-1"]
+    assert free(light, replicas, dict) == ["replica-0"]  # held nowhere: the cap is the cap
+
+
+def test_without_tenants_or_fairness_nobody_goes_over_the_cap():
+    replicas = filled(fleet(2), [4, 1])
+    held = lambda: {"replica-0": 64}  # noqa: E731
+    untenanted = RoutingRequest("u", 10, [], tenant=None)
+    light = RoutingRequest("l", 10, [], tenant="light")
+    assert free(untenanted, replicas, held) == ["replica-1"]
+    assert free(light, replicas, held, fair=FairShare("fcfs")) == ["replica-1"]
+    # without a reserve, a light tenant still keeps its home
+    assert free(light, replicas, held, reserve=0) == ["replica-1", "replica-0"]
+
+
+def test_a_light_tenants_next_turn_stays_on_the_full_replica_that_holds_its_history():
+    pol, replicas = policy("cache_aware"), fleet(2)
+    history = prompt(1_024)
+    first = request(history, "turn-1")
+    first.tenant = "light"
+    home = dispatch(pol, first, replicas)
+    load.completed(pol, first, home)
+    other = next(r for r in replicas if r is not home)
+    filled(replicas, [CAP if r is home else 0 for r in replicas])  # a flood filled its home
+    turn = request(prompt(1_100), "turn-2")  # the same history and a new question
+    turn.tenant = "light"
+    assert pol.holders(turn)[home.replica_id] >= 1_024 - 16
+    open_ = with_free_slot(turn, replicas, shares(), CAP, RESERVE, lambda: pol.holders(turn))
+    assert names(open_) == [other.replica_id, home.replica_id]
+    assert pol.choose(turn, open_) is home
+    assert turn.predicted_cached_tokens and turn.predicted_cached_tokens >= 1_024 - 16
+    # a policy without an index predicts nothing held, so nothing goes over the cap
+    assert policy("round_robin").holders(turn) == {}
+
+
+@pytest.mark.slow
+def test_through_the_gateway_a_light_tenants_turn_stays_on_its_full_replica(tmp_path):
+    """Two replicas taking 2 requests each, 1 of them kept from a tenant beyond its
+    share: the flood holds one on each, the light tenant's first turn fills its home,
+    and its next turn still goes there, over the cap, instead of to the other replica
+    (free, but cold)."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("flood-key flood\nlight-key light\n")
+    replica = ["replica", "--speedup", "0.2"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={u}" for u in replicas], "--api-keys-file",
+                   str(keys), "--max-outstanding-per-replica", "2",
+                   "--fair-reserve-per-replica", "1"]  # fmt: skip
+        with running(gateway) as (url,):
+            home, held, second = asyncio.run(light_turns(url))
+    assert held[home] == 2 and sum(held.values()) == 3, held  # home full, the other not
+    assert second == home
+
+
+async def light_turns(url: str) -> tuple[str, dict[str, int], str]:
+    """The light tenant's home, the requests each replica held before its next turn,
+    and where that turn went."""
+    history = "Our conversation so far: " + "the cache keeps what it computed. " * 120
+
+    async def ask(client: httpx.AsyncClient, key: str, prompt: str, tokens: int) -> str:
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {key}"}
+        response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        response.raise_for_status()
+        return response.headers["x-prefix-router-replica"]
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(4):  # the flood's service passes the light tenant's
+            await ask(client, "flood-key", f"{i} flood: " + "a new question. " * 200, 1)
+        home = await ask(client, "light-key", history + " Q0?", 1)
+        running_ = [  # long enough to be in flight below
+            asyncio.create_task(ask(client, "flood-key", f"long {i}", 120)) for i in range(2)
+        ]
+        await asyncio.sleep(0.5)  # one on each replica: the flood may take no more
+        running_.append(asyncio.create_task(ask(client, "light-key", history + " Q1?", 120)))
+        await asyncio.sleep(0.5)  # on its home, now full
+        response = await client.get(f"{url}/stats", headers={"authorization": "Bearer light-key"})
+        stats = stats_codec.decode(GatewayStats, response.content)
+        held = {b.replica_id: b.outstanding_requests for b in stats.backends}
+        second = await ask(client, "light-key", history + " Q2?", 1)
+        for task in running_:
+            task.cancel()
+        await asyncio.gather(*running_, return_exceptions=True)
+    return home, held, second
