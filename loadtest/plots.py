@@ -83,6 +83,22 @@ def load_chart(rows: Sequence[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
+def fleet_size_chart(rows: Sequence[Row], path: Path) -> None:
+    """Replicas held over the run, a step line per row that scaled."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for row in rows:
+        sizes = row.get("fleet_sizes")
+        if sizes:
+            times = [t for t, _ in sizes] + [row["duration_s"]]
+            counts = [n for _, n in sizes] + [sizes[-1][1]]
+            ax.step(times, counts, where="post", label=row["label"])
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("replicas")
+    ax.set_title("The fleet's size")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def live_hit_rate_chart(rows: Sequence[Row], path: Path) -> None:
     """Per policy: the engines' token hit rate, the clients' and the replay's prediction."""
     series = (

@@ -37,6 +37,7 @@ from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
 from router import load
+from router.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
 from router.cache_budget import within_budget
 from router.fairness import FairQueue, FairShare, check_fairness
 from router.models import ModelRoutes, ServedName
@@ -93,6 +94,12 @@ class ReplayConfig:
     #: Tenants' cache budgets, ``NAME=F,...``: each keeps its new prefixes off replicas
     #: where it holds F of the GPU blocks (a key's ``budget=F``: router/cache_budget.py).
     cache_budgets: str = ""
+    #: A fleet that grows and shrinks (router/autoscaler.py): it starts at ``replicas``
+    #: (within the bounds), and a replica asked for serves ``replica_startup_s`` later
+    #: (its engine loading the model). ``min_replicas == max_replicas``: a fixed fleet
+    #: of ``replicas``.
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    replica_startup_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.fleet:
@@ -107,6 +114,15 @@ class ReplayConfig:
         _ = self.tenant_budgets  # checks them
         if self.fair_half_life_s < 0 or self.fair_reserve_per_replica < 0:
             raise ValueError("fair_half_life_s and fair_reserve_per_replica must not be negative")
+        if not self.autoscale.fixed:
+            if self.fleet:
+                raise ValueError("a fleet of several models (fleet) does not autoscale")
+            if self.replica_startup_s < 0:
+                raise ValueError("replica_startup_s must not be negative")
+            bounded = min(
+                self.autoscale.max_replicas, max(self.autoscale.min_replicas, self.replicas)
+            )
+            object.__setattr__(self, "replicas", bounded)
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
@@ -187,6 +203,7 @@ class ReplayConfig:
             max_outstanding=n * self.max_outstanding,
             routers=1,
             event_delay_s=0.0,
+            autoscale=AutoscaleConfig(),
         )
 
 
@@ -226,6 +243,18 @@ class ReplayResult:
     duration_s: float
     shared_prefix_evictions: int = 0
     dispatched: list[int] = field(default_factory=list)
+    #: The fleet's size (replicas held: serving, starting or stopping) from each time on.
+    fleet_sizes: list[tuple[float, int]] = field(default_factory=list)
+    #: (time, what, replica index): ``asked`` for, ``serving``, ``stopping`` (out of
+    #: routing, finishing its requests), ``stopped``.
+    scale_events: list[tuple[float, str, int]] = field(default_factory=list)
+
+    @property
+    def replica_hours(self) -> float:
+        """Replicas held, integrated over the run, in hours."""
+        sizes = self.fleet_sizes or [(0.0, self.config.replicas)]
+        ends = [t for t, _ in sizes[1:]] + [max(self.duration_s, sizes[-1][0])]
+        return sum(n * (end - start) for (start, n), end in zip(sizes, ends, strict=True)) / 3600
 
 
 class Simulation:
@@ -291,6 +320,19 @@ class Simulation:
         ]
         self._queues: list[FairQueue[_Waiting]] = [FairQueue(f) for f in self.fair_shares]
         self._budgets = config.tenant_budgets
+        #: The replicas routed to (by index; all but those stopping or stopped), those
+        #: asked for and not yet serving (when each will), and the fleet's size in
+        #: replicas held (serving, starting or stopping) from each time on.
+        self._routable = list(range(config.replicas))
+        self._starting: list[float] = []
+        self._stopping: set[int] = set()
+        self.fleet_sizes: list[tuple[float, int]] = [(0.0, config.replicas)]
+        #: When each replica was asked for, began serving, left routing and stopped.
+        self.scale_events: list[tuple[float, str, int]] = []
+        scaling = config.autoscale
+        self.autoscaler = None if scaling.fixed else Autoscaler(scaling, lambda: self.now)
+        self._next_tick = 0.0 if self.autoscaler else math.inf
+        self._scale_rng = np.random.default_rng([config.seed, 2])
 
     def _router(self, policy: str, index: int) -> tuple[ModelRoutes, list[ReplicaState]]:
         """One router: its policies (one per model, seeded apart from the other
@@ -324,7 +366,11 @@ class Simulation:
         while arrivals or step_ends or deliveries:
             step = step_ends[0][0] if step_ends else math.inf
             arrival = arrivals[0][0] if arrivals else math.inf
-            if deliveries and deliveries[0][0] <= min(step, arrival):
+            delivery = deliveries[0][0] if deliveries else math.inf
+            if self._next_tick < min(step, arrival, delivery):
+                self.now = self._next_tick
+                self._autoscale()
+            elif deliveries and deliveries[0][0] <= min(step, arrival):
                 self.now, _, index, payload = heapq.heappop(deliveries)
                 self._deliver(index, payload)
             elif step_ends and step <= arrival:
@@ -345,6 +391,8 @@ class Simulation:
                 sum(states[i].dispatched for _, states in self.routers)
                 for i in range(len(self.engines))
             ],
+            self.fleet_sizes,
+            self.scale_events,
         )
 
     def _schedule_arrival(self, time: float, session_index: int, turn_index: int) -> None:
@@ -388,6 +436,8 @@ class Simulation:
     def _serving(self, waiting: _Waiting) -> list[ReplicaState]:
         routes, replicas = self.routers[waiting.router]
         routing = waiting.routing
+        if self.autoscaler is not None:
+            return [replicas[i] for i in self._routable]
         if not self.config.fleet:
             return replicas
         return routes.serving(ServedName(routing.model or routes.default_model, routing.adapter),
@@ -525,6 +575,8 @@ class Simulation:
                 state.loaded_adapters = engine.adapters.resident
                 state.free_adapter_slots = engine.adapters.free_slots
         self._step(index)
+        if index in self._stopping and not self.engines[index].has_unfinished:
+            self._stopped(index)
         for router in freed if self.config.max_outstanding else ():
             self._admit_waiting(router)
 
@@ -541,6 +593,87 @@ class Simulation:
             )
         elif self._idle_sessions:
             self._schedule_arrival(self.now + self._request_s, self._idle_sessions.pop(), 0)
+
+    # ------------------------------------------------------------ autoscaling
+
+    def _autoscale(self) -> None:
+        """Look at the fleet (every ``interval_s`` while there is work): admit the
+        replicas that have started, and grow or shrink it as the autoscaler says."""
+        assert self.autoscaler is not None
+        self._next_tick = self.now + self.config.autoscale.interval_s
+        while self._starting and self._starting[0] <= self.now:
+            self._starting.pop(0)
+            self._add_replica()
+            self.scale_events.append((self.now, "serving", len(self.engines) - 1))
+        serving = len(self._routable) + len(self._starting)
+        wanted = self.autoscaler.decide(serving, self._fleet_load())
+        for _ in range(wanted - serving):
+            self._starting.append(self.now + self.config.replica_startup_s)
+            self.scale_events.append(
+                (self.now, "asked", len(self.engines) + len(self._starting) - 1)
+            )
+        for _ in range(serving - wanted):
+            if self._starting:  # not serving yet: nothing to lose
+                self._starting.pop()
+            elif len(self._routable) > 1:
+                self._stop(self._to_stop())
+        self._note_fleet_size()
+
+    def _fleet_load(self) -> FleetLoad:
+        engines = [self.engines[i] for i in [*self._routable, *self._stopping]]
+        waiting = [w for queue in self._queues for w in queue]
+        return FleetLoad(
+            sum(e.num_running + e.num_waiting for e in engines) + len(waiting),
+            sum(e.queued_prefill_tokens for e in engines)
+            + sum(w.routing.num_prompt_tokens for w in waiting),
+        )
+
+    def _add_replica(self) -> None:
+        """A new engine, empty, in every router's fleet."""
+        index, config = len(self.engines), self.config
+        engine = Engine(config.engine_config(config.model))
+        engine.advance_to(self.now)
+        self.engines.append(engine)
+        self._stepping.append(False)
+        self._bursts.append(None)
+        for routes, states in self.routers:
+            state = ReplicaState(
+                f"replica-{index}", config.capacity_blocks or 0, model=config.model
+            )
+            state.free_blocks = engine.free_blocks
+            states.append(state)
+            routes.added(state)
+        self._routable.append(index)
+
+    def _to_stop(self) -> int:
+        """The replica to stop, as the config's ``scale_in`` chooses (router/autoscaler.py)."""
+        routes, states = self.routers[0]
+        policy = routes.policy()
+        ids = [states[i].replica_id for i in self._routable]
+        load_of = {states[i].replica_id: states[i].outstanding_requests for i in self._routable}
+        scale_in = self.config.autoscale.scale_in
+        chosen = to_stop(scale_in, ids, load_of, policy.cache_value, self._scale_rng)
+        return self._routable[ids.index(chosen)]
+
+    def _stop(self, index: int) -> None:
+        """Route nothing more to replica ``index``; it stops once its requests end."""
+        self._routable.remove(index)
+        self._stopping.add(index)
+        self.scale_events.append((self.now, "stopping", index))
+        if not self.engines[index].has_unfinished:
+            self._stopped(index)
+
+    def _stopped(self, index: int) -> None:
+        self._stopping.discard(index)
+        self.scale_events.append((self.now, "stopped", index))
+        for routes, states in self.routers:
+            routes.removed(states[index])
+        self._note_fleet_size()
+
+    def _note_fleet_size(self) -> None:
+        size = len(self._routable) + len(self._starting) + len(self._stopping)
+        if size != self.fleet_sizes[-1][1]:
+            self.fleet_sizes.append((self.now, size))
 
     # ----------------------------------------------------- shared-prefix watch
 

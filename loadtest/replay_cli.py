@@ -52,6 +52,9 @@ SWEEPABLE = {
     "fairness": "fairness",
 }  # fmt: skip
 
+FLEET_KEYS = (
+    "label", "replica_hours", "replicas_peak", "token_hit_rate", "ttft_p50_s", "ttft_p99_s",
+)  # fmt: skip
 TABLE_KEYS = (
     "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
     "host_hit_rate", "block_hit_rate", "fraction_of_bound", "prefill_tokens_computed",
@@ -220,6 +223,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(row.get("models") for row in rows):
         print("\nper model (or adapter) named:")
         print(format_table(model_rows(rows), MODEL_KEYS))
+    if any(row.get("fleet_sizes") for row in rows):
+        print("\nthe fleet's size (replicas held: serving, starting or stopping):")
+        print(format_table(rows, FLEET_KEYS))
     if any(row.get("tenants") for row in rows):
         print("\nper tenant (jain_fairness: Jain's index of their service over fair shares):")
         print(format_table(rows, ("label", "jain_fairness", "token_hit_rate", "ttft_p99_s")))
@@ -389,6 +395,9 @@ def _write_report(
     if any(row.get("tenants") for row in rows):
         charts.append("tenants.png")
         plots.tenant_ttft_chart(rows, out / charts[-1])
+    if any(row.get("fleet_sizes") for row in rows):
+        charts.append("fleet_size.png")
+        plots.fleet_size_chart(rows, out / charts[-1])
     lines = [
         "# prefix-router replay",
         "",

@@ -26,6 +26,7 @@ from router.fairness import PRIORITIES, priority_rank
 
 ArrivalMode = Literal["poisson", "closed", "trace"]
 ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")
+RATE_SHAPES = ("flat", "day")
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,8 +118,11 @@ class ChatConfig:
     #: Mean pause between a reply and the next question (exponential).
     think_time_s: float = 8.0
     arrival: ArrivalMode = "poisson"
-    #: Sessions started per second (poisson arrival).
+    #: Sessions started per second (poisson arrival): its mean over the run.
     session_rate: float = 2.0
+    #: How the rate moves over the run: ``flat``, or ``day`` (a day's shape: it rises
+    #: from a quarter of its peak at the start to the peak halfway, and falls again).
+    rate_shape: str = "flat"
     #: Concurrent users (closed arrival).
     num_users: int = 32
     #: A fleet of several models: the models sessions ask for, comma-separated, spread
@@ -145,6 +149,10 @@ class ChatConfig:
             raise ValueError("document_probability must lie in [0, 1]")
         if self.mean_turns < 1 or self.max_turns < 1:
             raise ValueError("mean_turns and max_turns must be at least 1")
+        if self.rate_shape not in RATE_SHAPES:
+            raise ValueError(
+                f"unknown rate_shape {self.rate_shape!r}; known: {', '.join(RATE_SHAPES)}"
+            )
         if self.session_rate <= 0 or self.think_time_s < 0:
             raise ValueError("session_rate must be positive and think_time_s not negative")
         if self.adapters < 0 or not 0 <= self.adapter_share <= 1:
@@ -205,6 +213,8 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
     )
     gaps = rng.exponential(1.0 / config.session_rate, config.num_sessions)
     starts = np.cumsum(gaps) - gaps[0]
+    if config.rate_shape == "day":
+        starts = day_shaped(starts)
     tokenizer = ByteTokenizer()
     sessions = tuple(
         _chat_session(rng, config, tokenizer, index, int(app), apps[app], float(start))
@@ -213,6 +223,20 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
     if config.model_names:
         sessions = _with_models(sessions, config)
     return Workload("chat", sessions, config.arrival, config.num_users)
+
+
+def day_shaped(starts: np.ndarray) -> np.ndarray:
+    """Arrival times of a flat Poisson process, moved so that the rate follows a day:
+    ``peak x (1 - 0.75 cos^2(pi t / T))`` over the run's length T, a quarter of the
+    peak at either end and the peak halfway, with the same mean (the process's time
+    changed by the inverse of its cumulative rate, so arrivals stay Poisson)."""
+    if len(starts) < 2:
+        return starts
+    end = float(starts[-1])
+    grid = np.linspace(0.0, end, 4097)
+    shape = 1.0 - 0.75 * np.cos(np.pi * grid / end) ** 2
+    cumulative = np.concatenate(([0.0], np.cumsum((shape[1:] + shape[:-1]) / 2 * np.diff(grid))))
+    return np.interp(starts, cumulative * end / cumulative[-1], grid)
 
 
 def _tenants_workload(config: ChatConfig) -> Workload:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -187,6 +187,11 @@ class FairQueue(Generic[T]):
 
     def __len__(self) -> int:
         return self._count
+
+    def __iter__(self) -> Iterator[T]:
+        """Every item waiting (in no particular order)."""
+        for queue in self._queues.values():
+            yield from queue
 
     def waiting(self) -> dict[tuple[int, str | None], int]:
         return {key: len(queue) for key, queue in self._queues.items()}

@@ -95,6 +95,9 @@ class ReplicaSets:
     def size(self, bit: int) -> int:
         return len(self._entries[bit])
 
+    def keys(self, bit: int) -> Iterable[int]:
+        return self._entries[bit].keys()
+
     def add(self, bit: int, hashes: Sequence[int]) -> None:
         entries, mask, now = self._entries[bit], 1 << bit, self.clock()
         holders, capacity = self.holders, self._capacity[bit]
@@ -247,6 +250,21 @@ class PrefixIndex:
         keys = self._precise_keys(replica_id)
         counts = keys.gpu_blocks_by_salt if keys else {}
         return sum(counts.get(salt, 0) for salt in salts)
+
+    def exclusive_keys(self, replica_id: str) -> list[int]:
+        """The stride keys that this replica alone holds on its GPU, as far as the
+        index knows (its events, or the router's recent decisions): what the fleet's
+        caches lose when it stops (router/autoscaler.py). A pass over its keys."""
+        bit = self._bits.get(replica_id)
+        if bit is None:
+            return []
+        stored, routed = self.stored, self.routed.holders
+        keys = set(self.routed.keys(bit))
+        if stored is not None and self.is_precise(replica_id):
+            keys.update(stored.held(bit))
+        alone, everyone = 1 << bit, self._all_bits
+        held = (lambda key: stored.get(key, 0)) if stored is not None else (lambda key: 0)
+        return [key for key in keys if (routed.get(key, 0) | held(key)) & everyone == alone]
 
     def _precise_keys(self, replica_id: str) -> EventKeys | None:
         """The keys of a replica known from its events (``None``: not such a one)."""
@@ -416,6 +434,10 @@ class PrefixPopularity:
         counts = self._counts
         for block_hash in stride_hashes:
             counts[block_hash] = counts.get(block_hash, 0) + 1
+
+    def count(self, stride_hash: int) -> int:
+        """Recent requests through the prefix that ends at ``stride_hash``."""
+        return self._counts.get(stride_hash, 0)
 
     def depth(self, stride_hashes: Sequence[int], threshold: int) -> int:
         """How many leading strides at least ``threshold`` recent requests shared."""

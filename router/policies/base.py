@@ -230,6 +230,11 @@ class Policy:
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         raise NotImplementedError
 
+    def cache_value(self, replica_id: str) -> float:
+        """What the fleet's caches would lose with ``replica_id`` (for a scale-in:
+        router/autoscaler.py); a policy that keeps no index knows of nothing."""
+        return 0.0
+
     def holders(self, request: RoutingRequest) -> dict[str, int]:
         """The prompt tokens each replica is predicted to hold on its GPU, by replica id
         (absent: none; a policy that keeps no index predicts none)."""

@@ -209,6 +209,13 @@ class CacheAware(IndexedPolicy):
         super().on_dispatch(request, replica)
         self.popularity.record(request.stride_hashes)
 
+    def cache_value(self, replica_id: str) -> float:
+        """The recent requests through the prefixes it alone holds (each at least
+        once): a popular prefix only it holds weighs what it will be asked for, a
+        finished conversation's history little."""
+        count = self.popularity.count
+        return float(sum(max(1, count(key)) for key in self.index.exclusive_keys(replica_id)))
+
     def popular_tokens(self, request: RoutingRequest) -> int:
         """Leading tokens of the request that many recent requests shared."""
         config = self.config

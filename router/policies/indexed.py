@@ -59,6 +59,10 @@ class IndexedPolicy(Policy):
     def holders(self, request: RoutingRequest) -> dict[str, int]:
         return self._matches(request, ())
 
+    def cache_value(self, replica_id: str) -> float:
+        """The stride keys it alone holds."""
+        return float(len(self.index.exclusive_keys(replica_id)))
+
     def _matches(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
         """Cached tokens of the replicas that hold any (absent: none)."""
         matched = self.index.match(request.stride_hashes)
