@@ -99,6 +99,23 @@ def fleet_size_chart(rows: Sequence[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
+def hot_sets_chart(rows: Sequence[Row], path: Path, shown: int = 3) -> None:
+    """Each row's largest hot prefixes' replication sets over the run."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for row in rows:
+        sets = row.get("hot_sets") or {}
+        for prefix, figures in sorted(sets.items(), key=lambda i: -i[1]["largest"])[:shown]:
+            sizes = figures["sizes"]
+            times = [t for t, _ in sizes] + [row["duration_s"]]
+            ax.step(times, [n for _, n in sizes] + [sizes[-1][1]], where="post",
+                    label=f"{row['label']}: {prefix[:8]}")  # fmt: skip
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("replicas holding it on purpose")
+    ax.set_title("Hot prefixes' replication sets")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def live_hit_rate_chart(rows: Sequence[Row], path: Path) -> None:
     """Per policy: the engines' token hit rate, the clients' and the replay's prediction."""
     series = (

@@ -42,6 +42,7 @@ from router.cache_budget import within_budget
 from router.fairness import FairQueue, FairShare, check_fairness
 from router.models import ModelRoutes, ServedName
 from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.policies.replicated import CacheAwareReplicated
 from router.slots import with_free_slot
 
 
@@ -248,6 +249,9 @@ class ReplayResult:
     #: (time, what, replica index): ``asked`` for, ``serving``, ``stopping`` (out of
     #: routing, finishing its requests), ``stopped``.
     scale_events: list[tuple[float, str, int]] = field(default_factory=list)
+    #: (time, prefix key, set size) at every change of a hot prefix's replication set
+    #: (``cache_aware_replicated``; the first router's).
+    hot_set_changes: list[tuple[float, int, int]] = field(default_factory=list)
 
     @property
     def replica_hours(self) -> float:
@@ -393,6 +397,12 @@ class Simulation:
             ],
             self.fleet_sizes,
             self.scale_events,
+            [
+                change
+                for policy in self.routes.policies.values()
+                if isinstance(policy, CacheAwareReplicated)
+                for change in policy.hot.changes
+            ],
         )
 
     def _schedule_arrival(self, time: float, session_index: int, turn_index: int) -> None:

@@ -223,6 +223,14 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(row.get("models") for row in rows):
         print("\nper model (or adapter) named:")
         print(format_table(model_rows(rows), MODEL_KEYS))
+    for row in rows:
+        if row.get("hot_sets"):
+            print(f"\n{row['label']}: hot prefixes on several replicas (set size from time on):")
+            for prefix, figures in sorted(
+                row["hot_sets"].items(), key=lambda item: -item[1]["largest"]
+            )[:5]:
+                steps = ", ".join(f"{n} from {t:.0f} s" for t, n in figures["sizes"])
+                print(f"  {prefix}: {steps}")
     if any(row.get("fleet_sizes") for row in rows):
         print("\nthe fleet's size (replicas held: serving, starting or stopping):")
         print(format_table(rows, FLEET_KEYS))
@@ -398,6 +406,9 @@ def _write_report(
     if any(row.get("fleet_sizes") for row in rows):
         charts.append("fleet_size.png")
         plots.fleet_size_chart(rows, out / charts[-1])
+    if any(row.get("hot_sets") for row in rows):
+        charts.append("hot_sets.png")
+        plots.hot_sets_chart(rows, out / charts[-1])
     lines = [
         "# prefix-router replay",
         "",

@@ -79,10 +79,24 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "replica_hours": result.replica_hours,
         "replicas_peak": max((n for _, n in result.fleet_sizes), default=result.config.replicas),
         "fleet_sizes": [[t, n] for t, n in result.fleet_sizes] if result.scale_events else None,
+        "hot_sets": hot_set_figures(result.hot_set_changes),
         **adapter_figures(result),
         "models": model_figures(done),
         **tenant_figures(records),
     }
+
+
+def hot_set_figures(changes: Sequence[tuple[float, int, int]]) -> dict[str, Row] | None:
+    """Each hot prefix's replication set over the run: its sizes over time and the
+    largest (``None``: the policy keeps no sets)."""
+    if not changes:
+        return None
+    sets: dict[str, Row] = {}
+    for at, key, size in changes:
+        figures = sets.setdefault(f"{key:016x}", {"sizes": [], "largest": 1})
+        figures["sizes"].append([at, size])
+        figures["largest"] = max(figures["largest"], size)
+    return sets
 
 
 def adapter_figures(result: ReplayResult) -> Row:

@@ -33,8 +33,9 @@ from router.metrics import GatewayMetrics
 from router.models import ModelRoutes, ServedName
 from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
 from router.policies.indexed import IndexedPolicy
+from router.policies.replicated import CacheAwareReplicated
 from router.slots import with_free_slot
-from router.stats import GatewayStats
+from router.stats import GatewayStats, HotSetStats
 
 #: The most cache salts whose tenant the gateway remembers.
 MAX_SALTS = 65_536
@@ -160,6 +161,16 @@ class Gateway:
                         held[replica_id] = held.get(replica_id, 0) + blocks
         return footprint
 
+    def hot_sets(self) -> list[HotSetStats]:
+        """Each model's hot prefixes on several replicas, largest share first."""
+        sets = [
+            HotSetStats(f"{hot.key:016x}", model, hot.share, list(hot.replicas))
+            for model, policy in self.models.policies.items()
+            if isinstance(policy, CacheAwareReplicated)
+            for hot in policy.hot_sets()
+        ]
+        return sorted(sets, key=lambda s: -s.share)
+
     def within_budget(
         self, policy: Policy, request: RoutingRequest, candidates: Sequence[ReplicaState]
     ) -> Sequence[ReplicaState]:
@@ -210,7 +221,7 @@ class Gateway:
         stats = self.accounting.stats(
             self.policy_name, self.config, self.pool, self.admission, self.tenant_footprint()
         )
-        stats = replace(stats, key_cache=self.prefix_keys.stats())
+        stats = replace(stats, key_cache=self.prefix_keys.stats(), hot_sets=self.hot_sets())
         if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.pieces is not None:
             return replace(stats, tokenizer_cache=self.tokenizer.pieces.stats())
         return stats

@@ -144,6 +144,18 @@ class PolicyStats:
 
 
 @dataclass(frozen=True)
+class HotSetStats:
+    """A hot prefix on several replicas (``cache_aware_replicated``)."""
+
+    #: The key of the prefix's last stride (64 bits, hex), its model, its share of the
+    #: model's recent requests, and its replicas.
+    prefix: str
+    model: str
+    share: float
+    replicas: list[str]
+
+
+@dataclass(frozen=True)
 class GatewayStats:
     policy: str
     #: Tries repeated on another replica, requests refused (429) and waiting now.
@@ -169,6 +181,9 @@ class GatewayStats:
     tokenizer_cache: TokenCacheStats | None = None
     #: Its cache of recent long prompts' keys (router/key_cache.py).
     key_cache: KeyCacheStats | None = None
+    #: Hot prefixes' replication sets, largest share first (none unless the policy
+    #: replicates them: router/policies/replicated.py).
+    hot_sets: list[HotSetStats] = field(default_factory=list)
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

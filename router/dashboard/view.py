@@ -32,6 +32,7 @@ from router.hot_prefixes import HotPrefix
 from router.latency import TTFT_BUCKETS
 from router.policies import ReplicaState
 from router.policies.indexed import IndexedPolicy
+from router.policies.replicated import CacheAwareReplicated
 from router.prefix_index import PrefixIndex
 from router.stats import BackendStats, GatewayStats, PolicyCounts
 
@@ -131,6 +132,9 @@ class HotPrefixView:
     holders: list[Holder] | None
     #: Its first prompt's first tokens, decoded; only when an administrator asks.
     text: str | None = None
+    #: The replicas its popular part is spread over on purpose (``None``: one replica,
+    #: or a policy without replication sets: router/policies/replicated.py).
+    replicated_on: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -347,8 +351,21 @@ def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPref
         holders = [h for index in indexes for h in _holders(index, prefix)] if indexes else None
         tokens = len(prefix.stride_hashes) * stride
         name = f"{prefix.leading:016x}"
-        views.append(HotPrefixView(name, prefix.requests, tokens, holders, text))
+        views.append(
+            HotPrefixView(name, prefix.requests, tokens, holders, text, _set_of(gateway, prefix))
+        )
     return views
+
+
+def _set_of(gateway: Gateway, prefix: HotPrefix) -> list[str] | None:
+    """The replication set of the prompt's popular part, where a policy keeps one."""
+    for policy in gateway.models.policies.values():
+        if isinstance(policy, CacheAwareReplicated):
+            key = policy.hot_key(prefix.stride_hashes)
+            members = policy.members(key) if key is not None else []
+            if members:
+                return [r.replica_id for r in members]
+    return None
 
 
 def _holders(index: PrefixIndex, prefix: HotPrefix) -> list[Holder]:

@@ -5,6 +5,7 @@
 - ``indexed``: the base of cache-aware policies (a prefix index);
 - ``cache_aware``: ours, precise and approximate;
 - ``cache_aware_ttft``: ours priced in seconds to the first token, from a cost profile;
+- ``replicated``: ours with a replication set per hot prefix;
 - ``sglang``: SGLang router's ``cache_aware``, for comparison.
 """
 
@@ -29,6 +30,7 @@ from router.policies.cache_aware import (
     CacheAwareTierBlind,
 )
 from router.policies.cache_aware_ttft import CacheAwareTTFT
+from router.policies.replicated import CacheAwareReplicated
 from router.policies.sglang import SGLangCacheAware
 
 __all__ = [
@@ -57,6 +59,7 @@ POLICIES: dict[str, type[Policy]] = {
         CacheAwareAdapterBlind,
         CacheAwareApproximate,
         CacheAwareTTFT,
+        CacheAwareReplicated,
     )
 }
 

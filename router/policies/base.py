@@ -141,6 +141,11 @@ class PolicyConfig:
     #: cache_aware: a prefix is popular once this many recent requests passed through
     #: it (more than the turns of most conversations).
     popular_requests: int = 16
+    #: cache_aware_replicated: a hot prefix's share of requests is counted over this
+    #: half-life; its replication set has ``replication_headroom`` times the replicas'
+    #: worth of traffic it brings (router/policies/replicated.py).
+    replication_half_life_s: float = 30.0
+    replication_headroom: float = 1.0
     #: cache_aware: what a token held in a replica's host tier costs, in prefill tokens:
     #: loading its KV over PCIe against computing it. Llama-3-8B moves 128 KiB a token,
     #: 2.6 us at 50 GB/s (PCIe 5) against 23 us of prefill on an H100 (0.11), 5.2 us at
@@ -212,6 +217,8 @@ class PolicyConfig:
                 get_profile(self.cost_profile)  # read once here, so a bad one fails at start
             except ValueError as error:
                 raise ValueError(f"--cost-profile: {error}") from None
+        if self.replication_half_life_s <= 0 or self.replication_headroom <= 0:
+            raise ValueError("replication_half_life_s and replication_headroom must be positive")
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
             raise ValueError("load_bound must be at least 1, overflow_tokens not negative "
                              "and popular_requests positive")  # fmt: skip

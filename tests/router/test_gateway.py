@@ -187,6 +187,24 @@ def test_the_policy_can_be_switched_at_run_time(fleet, client):
     assert httpx.post(url + "/admin/policy", json={"policy": "cache_aware"}).status_code == 200
 
 
+def test_a_hot_prompts_replication_set_is_in_stats_and_on_the_dashboard(fleet, client):
+    url, _ = fleet
+    switched = httpx.post(url + "/admin/policy", json={"policy": "cache_aware_replicated"})
+    assert switched.status_code == 200
+    try:
+        system = "A prompt every user of this app sends first. " * 40
+        for i in range(40):  # popular after 16: all the traffic, two replicas' worth
+            chat(client, f"question {i}", system=system)
+        (hot,) = httpx.get(url + "/stats").json()["hot_sets"]
+        assert hot["share"] > 0.5 and len(hot["replicas"]) == 2 and len(hot["prefix"]) == 16
+        board = httpx.get(url + "/dashboard/data").json()
+        spread = [h["replicated_on"] for h in board["hot_prefixes"] if h["replicated_on"]]
+        assert spread and sorted(spread[0]) == sorted(hot["replicas"])
+    finally:
+        httpx.post(url + "/admin/policy", json={"policy": "cache_aware"})
+    assert httpx.get(url + "/stats").json()["hot_sets"] == []
+
+
 def test_backends_can_be_added_and_removed_at_run_time(fleet):
     url, replicas = fleet
     assert httpx.delete(url + "/admin/backends", params={"url": replicas[1]}).status_code == 200

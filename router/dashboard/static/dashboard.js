@@ -172,6 +172,7 @@ function renderHot(view) {
       cell("requests", h.requests, int(h.requests)),
       cell("prompt_tokens", h.prompt_tokens, int(h.prompt_tokens)),
       cell("holders", h.holders == null ? "" : h.holders.map((x) => x.replica_id).join(","), holders),
+      cell("spread", (h.replicated_on || []).join(","), h.replicated_on == null ? "" : h.replicated_on.join(", ")),
       cell("text", h.text, h.text == null ? "" : h.text, "text"),
     ];
   });

@@ -1,0 +1,186 @@
+"""``cache_aware_replicated``: hot prefixes spread on purpose, over a replication set.
+
+``cache_aware`` copies a popular prefix to another replica when the replicas holding it
+are loaded enough that a copy is cheaper than their queue: the spread follows the load,
+one request at a time. Here each hot prefix has an explicit replication set (Preble,
+ICLR 2025, replicates hot prefixes in research; no router ships it): the prefix's
+share of the recent requests, times the fleet's size, is how many replicas' worth of
+traffic it brings, so its set has that many replicas (``replication_headroom`` times
+it, rounded up). The set's members are priced as holding the prefix (the first request
+to a new member computes it, once), so its requests spread over them by load; when its
+share falls the set shrinks (with a margin, so it does not flap). Members are the
+first by rendezvous hashing of the prefix over the fleet: every gateway that sees the
+same share picks the same replicas, with nothing shared between them, and a replica
+leaving or joining moves only its own places in the sets.
+
+A prefix is the popular part of a prompt (``PolicyConfig.popular_requests``: the
+strides that many recent requests shared), named by the key of its last stride.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
+from router.policies.cache_aware import CacheAware
+
+#: A set shrinks only once the prefix's replicas' worth of traffic is this far below
+#: its size less one (a set of k replicas holds for shares down to (k - 1.5) / n).
+SHRINK_MARGIN = 0.5
+
+
+@dataclass(frozen=True)
+class HotSet:
+    """A hot prefix's replication set, for ``/stats`` and the dashboard."""
+
+    key: int
+    #: The prefix's share of recent requests, and its replicas in rendezvous order.
+    share: float
+    replicas: tuple[str, ...]
+
+
+class HotSets:
+    """Recent requests per hot prefix, as a share of all, and each one's set size.
+
+    Counts decay with ``half_life_s`` of ``clock`` time; a prefix whose count decays
+    below one request is forgotten at the next sweep (every ``half_life_s``), so the
+    table holds the prefixes of the last few half-lives only.
+    """
+
+    def __init__(self, clock: Clock, half_life_s: float, headroom: float) -> None:
+        self.clock, self.half_life_s, self.headroom = clock, half_life_s, headroom
+        self._counts: dict[int, tuple[float, float]] = {}  # key -> count, when
+        self._total = (0.0, 0.0)
+        self._sizes: dict[int, int] = {}
+        self._swept = 0.0
+        #: (time, prefix key, set size) at every change of a set's size.
+        self.changes: list[tuple[float, int, int]] = []
+
+    def record(self, key: int | None) -> None:
+        """One request routed, through the hot prefix ``key`` (``None``: none)."""
+        now = self.clock()
+        self._total = (self._decayed(self._total, now) + 1, now)
+        if key is not None:
+            self._counts[key] = (self._decayed(self._counts.get(key, (0.0, now)), now) + 1, now)
+        if now - self._swept >= self.half_life_s:
+            self._sweep(now)
+
+    def share(self, key: int) -> float:
+        now = self.clock()
+        total = self._decayed(self._total, now)
+        return (
+            self._decayed(self._counts[key], now) / total if key in self._counts and total else 0.0
+        )
+
+    def size(self, key: int, fleet: int) -> int:
+        """How many replicas the prefix should be on now (1: it is not hot)."""
+        worth = self.share(key) * fleet * self.headroom  # replicas' worth of its traffic
+        size = self._sizes.get(key, 1)
+        if math.ceil(worth) > size or worth <= size - 1 - SHRINK_MARGIN:
+            size = max(1, min(fleet, math.ceil(worth)))
+        if size != self._sizes.get(key, 1):
+            self.changes.append((self.clock(), key, size))
+            self._sizes[key] = size
+        return size
+
+    def sizes(self) -> dict[int, int]:
+        """The prefixes on more than one replica, and their set sizes."""
+        return {key: size for key, size in self._sizes.items() if size > 1}
+
+    def _decayed(self, value: tuple[float, float], now: float) -> float:
+        count, when = value
+        return count * math.exp2((when - now) / self.half_life_s) if count else 0.0
+
+    def _sweep(self, now: float) -> None:
+        self._swept = now
+        self._counts = {k: v for k, v in self._counts.items() if self._decayed(v, now) >= 1}
+        for key in list(self._sizes):
+            if key not in self._counts:
+                del self._sizes[key]
+                self.changes.append((now, key, 1))
+
+
+def rendezvous_order(key: int, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas by rendezvous weight for ``key``, highest first: every router
+    orders them alike."""
+    raw = key.to_bytes(8, "little")
+    weight: Callable[[ReplicaState], int] = lambda r: xxhash.xxh3_64_intdigest(  # noqa: E731
+        raw + r.replica_id.encode()
+    )
+    return sorted(replicas, key=weight, reverse=True)
+
+
+class CacheAwareReplicated(CacheAware):
+    """``cache_aware`` with a replication set per hot prefix (see the module's doc)."""
+
+    name = "cache_aware_replicated"
+
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
+        self.hot = HotSets(clock, config.replication_half_life_s, config.replication_headroom)
+        self._orders: dict[int, tuple[int, list[ReplicaState]]] = {}  # key -> fleet, order
+        self._fleet_version = 0
+
+    def hot_key(self, stride_hashes: Sequence[int]) -> int | None:
+        """The key of the popular part of a prompt (``None``: no part is popular)."""
+        depth = self.popularity.depth(stride_hashes, self.config.popular_requests)
+        return stride_hashes[depth - 1] if depth else None
+
+    def replication_set(self, key: int) -> list[ReplicaState]:
+        """The replicas a hot prefix is on now, its set's size brought up to date
+        (none when it is not hot)."""
+        if self.hot.size(key, len(self.order.states)) < 2:
+            self._orders.pop(key, None)
+            return []
+        return self.members(key)
+
+    def members(self, key: int) -> list[ReplicaState]:
+        """The replicas of a prefix's set as it stands (none: not hot); no update."""
+        size = self.hot.sizes().get(key, 1)
+        if size < 2:
+            return []
+        cached = self._orders.get(key)
+        if cached is None or cached[0] != self._fleet_version:
+            order = rendezvous_order(key, list(self.order.states.values()))
+            cached = self._orders[key] = (self._fleet_version, order)
+        return cached[1][:size]
+
+    def hot_sets(self) -> list[HotSet]:
+        """Every prefix on more than one replica, largest share first."""
+        sets = [
+            HotSet(key, self.hot.share(key), tuple(r.replica_id for r in self.members(key)))
+            for key in self.hot.sizes()
+        ]
+        return sorted(sets, key=lambda s: -s.share)
+
+    def _with_session(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState], matched: dict[str, int]
+    ) -> dict[str, int]:
+        """The matches, with a hot prefix's set priced as holding it."""
+        matched = super()._with_session(request, replicas, matched)
+        key = self.hot_key(request.stride_hashes)
+        members = self.replication_set(key) if key is not None else []
+        if not members:
+            return matched
+        popular = self.popular_tokens(request)
+        held = dict(matched)
+        for member in members:
+            held[member.replica_id] = max(held.get(member.replica_id, 0), popular)
+        return held
+
+    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        self.hot.record(self.hot_key(request.stride_hashes))
+        super().on_dispatch(request, replica)
+
+    def on_replica_added(self, replica: ReplicaState) -> None:
+        super().on_replica_added(replica)
+        self._fleet_version += 1
+
+    def on_replica_removed(self, replica: ReplicaState) -> None:
+        super().on_replica_removed(replica)
+        self._fleet_version += 1

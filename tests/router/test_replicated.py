@@ -1,0 +1,88 @@
+"""Hot prefixes spread on purpose: a replication set per hot prefix, sized by its share
+of the requests, its members chosen alike by every router."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from router import load
+from router.policies import ReplicaState, RoutingRequest
+from router.policies.replicated import CacheAwareReplicated, HotSets, rendezvous_order
+from tests.router.test_policies import fleet, policy, request
+from tests.shared import FakeClock, prompt
+
+
+def test_a_set_grows_with_its_share_at_once_and_shrinks_with_a_margin():
+    clock = FakeClock()
+    hot = HotSets(clock, half_life_s=10, headroom=1.0)
+    for i in range(100):  # 60% of the requests through prefix 7
+        hot.record(7 if i % 5 < 3 else None)
+    assert hot.share(7) == pytest.approx(0.6)
+    assert hot.size(7, 8) == 5  # 4.8 replicas' worth of traffic
+    assert hot.size(7, 8) == 5 and hot.sizes() == {7: 5}
+    for _ in range(20):  # its share falls to 0.5: 4 replicas' worth, within the margin
+        hot.record(None)
+    assert hot.share(7) * 8 == pytest.approx(4) and hot.size(7, 8) == 5
+    for _ in range(40):  # 0.375: 3 replicas' worth
+        hot.record(None)
+    assert hot.share(7) * 8 == pytest.approx(3) and hot.size(7, 8) == 3
+    assert [size for _, key, size in hot.changes if key == 7] == [5, 3]
+    clock.now += 200  # twenty half-lives without it: forgotten at the next sweep
+    hot.record(None)
+    assert hot.share(7) == 0 and hot.sizes() == {} and hot.changes[-1][1:] == (7, 1)
+
+
+def route(pol: CacheAwareReplicated, req: RoutingRequest, replicas: list[ReplicaState]) -> str:
+    """Choose, dispatch and complete at once: the fleet stays idle, so the choice is
+    the prices of what is held (ties at random)."""
+    chosen = pol.choose(req, replicas)
+    load.dispatched(pol, req, chosen)
+    load.completed(pol, req, chosen)
+    return chosen.replica_id
+
+
+def traffic(pol: CacheAwareReplicated, replicas: list[ReplicaState], n: int) -> list[str]:
+    """60% of the requests on one 1,024-token system prompt, each with its own question
+    after it; the rest on prompts of their own. Where each hot request went."""
+    rng = np.random.default_rng(1)
+    went = []
+    for i in range(n):
+        if rng.random() < 0.6:
+            tokens = np.concatenate([prompt(1_024), prompt(64, start=100_000 + 64 * i)])
+            went.append(route(pol, request(tokens, f"hot-{i}"), replicas))
+        else:
+            route(pol, request(prompt(1_088, start=1_000_000 + 2_000 * i), f"cold-{i}"), replicas)
+    return went
+
+
+def test_a_hot_prompt_spreads_over_its_set_and_every_router_picks_the_same_one():
+    replicas = fleet(8)
+    pol = policy("cache_aware_replicated")
+    for replica in replicas:
+        pol.on_replica_added(replica)
+    went = traffic(pol, replicas, 300)
+    (hot_set,) = pol.hot_sets()
+    assert 0.5 < hot_set.share < 0.7 and len(hot_set.replicas) == 5
+    assert hot_set.replicas == tuple(
+        r.replica_id for r in rendezvous_order(hot_set.key, replicas)[:5]
+    )
+    late = set(went[-100:])  # once the set stands, the hot prompt goes only to its members
+    assert late <= set(hot_set.replicas) and len(late) >= 4
+    other = policy("cache_aware_replicated", seed=9)  # another router, the same traffic
+    for replica in fleet(8):
+        other.on_replica_added(replica)
+    traffic(other, fleet(8), 300)
+    assert other.hot_sets()[0].replicas == hot_set.replicas
+    # a member leaving: the set is made of the others, the rest of it unmoved
+    pol.on_replica_removed(replicas[int(hot_set.replicas[0].rsplit("-", 1)[1])])
+    assert (
+        pol.members(hot_set.key)[:4]
+        == [
+            r
+            for r in rendezvous_order(hot_set.key, replicas)
+            if r.replica_id != hot_set.replicas[0]
+        ][:4]
+    )
+    # and a policy that does not replicate keeps no sets
+    assert not hasattr(policy("cache_aware"), "hot_sets")
