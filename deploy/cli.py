@@ -34,6 +34,7 @@ from replica.api.tokenizer import DEFAULT_TOKENIZER
 from replica.engine import EngineConfig
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from replica.vllm_server import VLLMConfig, vllm_installed
+from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
 
 
@@ -202,6 +203,7 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_fleet_flags(parser)
+    add_config_flags(parser, AutoscaleConfig)
     parser.set_defaults(run=run_serve)
 
 
@@ -209,9 +211,26 @@ def run_serve(args: argparse.Namespace) -> int:
     from deploy.local import serve
 
     gateway, engine, keep = fleet_configs(args)
+    autoscale = autoscale_config(args)
     serve(fleet_engines(args.fleet, args.replicas, engine), gateway, args.host, args.port,
-          args.gateways, args.separate_ports, keep)  # fmt: skip
+          args.gateways, args.separate_ports, keep, autoscale)  # fmt: skip
     return 0
+
+
+def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """The fleet's bounds and targets, when ``--min-replicas`` and ``--max-replicas``
+    let it scale (``None``: a fixed fleet of ``--replicas``)."""
+    config = config_from_args(AutoscaleConfig, args)
+    if config.fixed:
+        return None
+    if args.fleet:
+        raise ValueError("--min-replicas and --max-replicas scale a fleet of one model, "
+                         "not --fleet")  # fmt: skip
+    low, high = config.min_replicas, config.max_replicas
+    if not low <= args.replicas <= high:
+        raise ValueError(f"--replicas {args.replicas} must lie within --min-replicas {low} "
+                         f"and --max-replicas {high}")  # fmt: skip
+    return config
 
 
 def add_tiny_model_parser(commands: Any) -> None:

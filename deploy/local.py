@@ -20,12 +20,14 @@ from typing import Any
 import ray
 
 from deploy.gateways import start_gateways
-from deploy.names import NAMESPACE, REPLICA_PREFIX
+from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME
 from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
+from deploy.scaler import FleetScalerActor
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
 from replica.vllm_server import VLLMConfig, cores_of, cpu_build
 from router.app import create_app
+from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
 
 
@@ -53,10 +55,12 @@ def serve(
     gateways: int = 1,
     separate_ports: bool = False,
     keep: Collection[str] = (),
+    autoscale: AutoscaleConfig | None = None,
 ) -> None:
     """Run until interrupted, a replica per engine of ``engines`` (they may serve several
     models: deploy/fleet.py); everything started here is stopped on the way out. The
-    gateway's fields named in ``keep`` (the user's flags) are not taken from the engine."""
+    gateway's fields named in ``keep`` (the user's flags) are not taken from the engine.
+    ``autoscale``: the fleet grows and shrinks within its bounds (deploy/scaler.py)."""
     replicas = len(engines)
     if replicas < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
@@ -65,6 +69,7 @@ def serve(
     start_local_ray()
     handles: list[Any] = []
     gateway_actors: list[Any] = []
+    scaler: Any = None
     try:
         handles = [
             replica_actor(engine)
@@ -78,6 +83,10 @@ def serve(
             print(f"{len(group)} replicas: {', '.join(c.url for c in group)} "
                   f"({describe(group[0])})", flush=True)  # fmt: skip
         gateway = gateway.configured_by(cards[0], keep)
+        if autoscale is not None:
+            scaler = start_scaler(autoscale, engines[0], host, f"http://{host}:{port}")
+            print(f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
+                  f"(scale-in by {autoscale.scale_in})", flush=True)  # fmt: skip
         if gateways == 1:
             print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
             serve_http(
@@ -90,12 +99,37 @@ def serve(
             print(f"gateway: {url}/v1 (policy {gateway.policy})", flush=True)
         _wait_for_a_signal()
     finally:
+        if scaler is not None:  # first: it starts no replica after this
+            ray.kill(scaler, no_restart=True)
         for handle in gateway_actors:  # held until now: an actor lives as long as its handle
             ray.kill(handle, no_restart=True)
-        stop_replicas(handles)
+        stop_replicas([*handles, *scaled_replicas(handles)])
         ray.shutdown()
         if sock is not None:
             sock.close()
+
+
+def start_scaler(
+    config: AutoscaleConfig, engine: EngineSpec, host: str, gateway_url: str,
+    detached: bool = False,
+) -> Any:  # fmt: skip
+    """The fleet's scaler actor, running (deploy/scaler.py); an admin key for the
+    gateway's cache values, where keys are configured, from
+    ``$PREFIX_ROUTER_ADMIN_KEY``."""
+    lifetime = {"lifetime": "detached"} if detached else {}
+    scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
+        config, engine, host, gateway_url, detached, os.environ.get("PREFIX_ROUTER_ADMIN_KEY")
+    )
+    scaler.run.remote()
+    return scaler
+
+
+def scaled_replicas(known: Sequence[Any]) -> list[Any]:
+    """The replica actors a scaler started (those not among ``known``)."""
+    names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_PREFIX)]
+    ours = {handle._actor_id for handle in known}
+    found = [ray.get_actor(name) for name in names]
+    return [handle for handle in found if handle._actor_id not in ours]
 
 
 def on_one_machine(engine: EngineSpec, index: int, replicas: int) -> EngineSpec:

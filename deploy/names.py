@@ -6,6 +6,8 @@ NAMESPACE = "prefix-router"
 REPLICA_PREFIX = "replica-"
 #: Gateway actors (``serve --gateways N``, ``up``) are named ``gateway-0``, ...
 GATEWAY_PREFIX = "gateway-"
+#: The actor that grows and shrinks the fleet (deploy/scaler.py), where it scales.
+SCALER_NAME = "fleet-scaler"
 
 
 def numbered(names: list[str], prefix: str) -> list[str]:

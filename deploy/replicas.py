@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import httpx
 import ray
 
 from deploy.processes import free_port
@@ -32,6 +34,7 @@ from replica.api.card import EngineCard, sim_card
 from replica.api.config import ReplicaConfig
 from replica.server import create_app
 from replica.vllm_server import Ports, VLLMConfig, VLLMServer
+from router.autoscaler import FleetLoad
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class SimReplica:
         self._server: Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
+        self.draining = False
 
     async def url(self) -> str:
         """Start the server if it is not running, and return its base URL."""
@@ -66,10 +70,20 @@ class SimReplica:
 
     async def card(self) -> EngineCard:
         url = await self.url()
-        return sim_card(url, self._app.state.replica.stats())
+        return replace(sim_card(url, self._app.state.replica.stats()), draining=self.draining)
 
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    async def drain(self) -> None:
+        """Leave the fleet: gateways see it in the card and send nothing new."""
+        self.draining = True
+
+    async def load(self) -> FleetLoad:
+        """Requests it runs or queues, and prompt tokens waiting for prefill."""
+        await self.url()
+        engine = self._app.state.replica.engine
+        return FleetLoad(engine.num_running + engine.num_waiting, engine.queued_prefill_tokens)
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
@@ -87,6 +101,7 @@ class VLLMReplica:
         self.host = host
         self.watch_s = watch_s
         self.restarts = 0
+        self.draining = False
         self._server: VLLMServer | None = None
         self._starting = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
@@ -109,10 +124,27 @@ class VLLMReplica:
     async def card(self) -> EngineCard:
         await self.url()
         assert self._server is not None
-        return await asyncio.to_thread(self._server.card)
+        card = await asyncio.to_thread(self._server.card)
+        return replace(card, draining=self.draining)
 
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    async def drain(self) -> None:
+        """Leave the fleet: gateways see it in the card and send nothing new."""
+        self.draining = True
+
+    async def load(self) -> FleetLoad:
+        """Requests it runs or queues, from vLLM's ``/metrics`` (its queued prefill
+        tokens it does not say)."""
+        url = await self.url()
+        text = await asyncio.to_thread(lambda: httpx.get(f"{url}/metrics", timeout=5).text)
+        gauges = {"running": 0.0, "waiting": 0.0}
+        for line in text.splitlines():
+            for name in gauges:
+                if line.startswith(f"vllm:num_requests_{name}"):
+                    gauges[name] += float(line.rsplit(" ", 1)[1])
+        return FleetLoad(int(gauges["running"] + gauges["waiting"]), 0)
 
     async def stop(self) -> None:
         if self._watcher is not None:

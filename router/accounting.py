@@ -181,6 +181,7 @@ class Accounting:
             engine=backend.card.engine if backend.card else None,
             model=backend.card.model if backend.card else None,
             block_size=backend.card.block_size if backend.card else None,
+            draining=backend.draining,
         )
 
 

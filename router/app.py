@@ -349,6 +349,14 @@ async def set_policy(change: PolicyChange, request: Request) -> Response:
     return JSONResponse({"policy": change.policy})
 
 
+@routes.get("/admin/cache_values")
+async def cache_values(request: Request) -> Response:
+    """What each backend's loss would cost the fleet's caches, as its model's policy
+    says (``Policy.cache_value``): which replica a scale-in stops (deploy/scaler.py)."""
+    _admin_only(request)
+    return JSONResponse(_gateway(request).cache_values())
+
+
 @routes.post("/admin/backends")
 async def add_backend(change: BackendChange, request: Request) -> Response:
     _admin_only(request)

@@ -93,6 +93,8 @@ class Backend:
     described_at: float = 0.0
     #: Routed to: it said what it serves (or was asked and did not say).
     joined: bool = False
+    #: Leaving the fleet, as its card says: sent nothing new, its requests end there.
+    draining: bool = False
     routing_mode: RoutingMode = "checking"
     #: Why it is routed approximately (what differs, and the flag that fixes it).
     approximate_reason: str | None = None
@@ -144,8 +146,12 @@ class BackendPool:
 
     @property
     def states(self) -> list[ReplicaState]:
-        """The backends to route to: those that joined and whose circuit is closed."""
-        return [b.state for b in self._backends.values() if b.healthy and b.joined]
+        """The backends to route to: those that joined, whose circuit is closed and
+        that are not leaving the fleet (a draining one stays in the policy's index and
+        load until it goes, so its requests end as counted)."""
+        return [
+            b.state for b in self._backends.values() if b.healthy and b.joined and not b.draining
+        ]
 
     def open_circuit(self, backend: Backend) -> None:
         """Stop routing to ``backend`` at once and forget what its cache held; probes
@@ -208,6 +214,9 @@ class BackendPool:
         """Take what the backend says of itself: the model and adapters it serves."""
         state, routed = backend.state, backend.joined and backend.healthy
         backend.card, backend.described_at = card, time.monotonic()
+        if card.draining and not backend.draining:
+            log.warning("backend %s is leaving the fleet: no more requests", backend.url)
+        backend.draining = card.draining
         if card.num_blocks:
             state.capacity_blocks = card.num_blocks
         model = card.model or None

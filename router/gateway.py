@@ -161,6 +161,13 @@ class Gateway:
                         held[replica_id] = held.get(replica_id, 0) + blocks
         return footprint
 
+    def cache_values(self) -> dict[str, float]:
+        """Each backend's cache value (``Policy.cache_value``), by replica id."""
+        return {
+            state.replica_id: self.models.policy(state.model).cache_value(state.replica_id)
+            for state in (backend.state for backend in self.pool.backends)
+        }
+
     def hot_sets(self) -> list[HotSetStats]:
         """Each model's hot prefixes on several replicas, largest share first."""
         sets = [

@@ -85,6 +85,8 @@ class BackendStats:
     engine: str | None = None
     model: str | None = None
     block_size: int | None = None
+    #: Leaving the fleet (a scale-in): sent nothing new until it goes.
+    draining: bool = False
 
     @property
     def predicted_cached_tokens(self) -> int:

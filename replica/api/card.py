@@ -41,6 +41,9 @@ class EngineCard:
     pid: int | None = None
     #: The LoRA adapters it serves on top of ``model`` (requests name one as their model).
     adapters: tuple[str, ...] = ()
+    #: Leaving the fleet (a scale-in): gateways send it nothing new, and it stops once
+    #: the requests it holds have ended (deploy/scaler.py).
+    draining: bool = False
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:

@@ -1,0 +1,80 @@
+"""`serve --min-replicas 1 --max-replicas 2`: the fleet grows under a burst and shrinks
+after it, a replica leaving only once its requests have ended, none failing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.deploy.test_serve import serving
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+SCALING = [
+    "--replicas", "1", "--replica-speedup", "0.2", "--min-replicas", "1", "--max-replicas", "2",
+    "--target-ongoing-requests", "4", "--upscale-delay-s", "1", "--downscale-delay-s", "3",
+    "--interval-s", "0.5",
+]  # fmt: skip
+
+
+def test_the_fleet_grows_under_a_burst_and_shrinks_after_it_failing_nothing():
+    with serving(*SCALING) as (url, process):
+        assert process.stdout is not None
+        seen, answers = asyncio.run(burst_then_trickle(url))
+    failed = [answer for answer in answers if answer[0] != 200]
+    assert not failed and len(answers) > 20, len(answers)
+    fleets = [sorted(replicas) for _, replicas in seen]
+    assert fleets[0] == ["replica-0"] and ["replica-0", "replica-1"] in fleets  # it grew
+    assert fleets[-1] == ["replica-0"] or fleets[-1] == ["replica-1"]  # and shrank
+    grown = next(i for i, fleet in enumerate(fleets) if len(fleet) == 2)
+    leaving = [i for i, (_, replicas) in enumerate(seen) if any(replicas.values())]
+    assert leaving and leaving[0] > grown  # it drained before it went
+    served = {replica for _, replica in answers}
+    assert served == {"replica-0", "replica-1"}  # the new one served its share
+
+
+async def burst_then_trickle(url: str) -> tuple[list[tuple[float, dict[str, bool]]], list]:
+    """Eight clients asking for 60 tokens at a time for 12 s, then one for a few short
+    requests while the fleet shrinks; the fleet as ``/stats`` saw it every 0.25 s
+    (replica -> draining) and every answer (status, replica)."""
+    answers: list[tuple[int | str, str | None]] = []
+    seen: list[tuple[float, dict[str, bool]]] = []
+    started = time.monotonic()
+
+    async def ask(client: httpx.AsyncClient, prompt: str, tokens: int) -> None:
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+        try:
+            response = await client.post(f"{url}/v1/completions", json=body)
+            answers.append((response.status_code, response.headers.get("x-prefix-router-replica")))
+        except httpx.HTTPError as error:
+            answers.append((repr(error), None))
+
+    async def client_loop(client: httpx.AsyncClient, index: int, until: float) -> None:
+        turn = 0
+        while time.monotonic() < until:
+            await ask(client, f"client {index} turn {turn}: " + "tell me of caches. " * 30, 60)
+            turn += 1
+
+    async def watch(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            backends = (await client.get(f"{url}/stats")).json()["backends"]
+            seen.append(
+                (time.monotonic() - started, {b["replica_id"]: b["draining"] for b in backends})
+            )
+            await asyncio.sleep(0.25)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(client, stop))
+        until = time.monotonic() + 12
+        await asyncio.gather(*(client_loop(client, i, until) for i in range(8)))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(seen[-1][1]) > 1:  # until it is one again
+            await ask(client, "a short question", 4)
+            await asyncio.sleep(0.2)
+        stop.set()
+        await watcher
+    return seen, answers
