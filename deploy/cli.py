@@ -136,6 +136,7 @@ def add_cluster_parsers(commands: Any) -> None:
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
     up.add_argument("--port", type=int, default=8000, help="the gateways' port")
     add_fleet_flags(up)
+    add_config_flags(up, AutoscaleConfig)
     up.set_defaults(run=run_up)
     for name, text, run in (
         ("status", "list the gateways and replicas: nodes, URLs, health, hit rates", run_status),
@@ -152,8 +153,14 @@ def run_up(args: argparse.Namespace) -> int:
     gateway, engine, keep = fleet_configs(args)
     cluster.connect(args.address)
     engines = fleet_engines(args.fleet, args.replicas, engine)
-    gateways, replicas = cluster.up(engines, gateway, args.host, args.port, args.gateways, keep)
+    autoscale = autoscale_config(args)
+    gateways, replicas = cluster.up(
+        engines, gateway, args.host, args.port, args.gateways, keep, autoscale
+    )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
+    if autoscale is not None:
+        print(f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
+              f"(scale-in by {autoscale.scale_in})")  # fmt: skip
     for url in gateways:
         print(f"gateway: {url}/v1")
     return 0

@@ -21,11 +21,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
-from deploy.names import NAMESPACE, REPLICA_PREFIX, numbered
+from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME, numbered
 from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
+from deploy.scaler import start_scaler
 from replica.api.card import EngineCard
 from replica.api.figures import read_figures
 from replica.vllm_server import VLLMConfig
+from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
 
 HEAD_RESOURCE = "node:__internal_head__"
@@ -109,11 +111,14 @@ def up(
     port: int = 8000,
     gateways: int = 1,
     keep: Collection[str] = (),
+    autoscale: AutoscaleConfig | None = None,
 ) -> tuple[list[str], list[str]]:
     """Scale to a replica actor per engine of ``engines`` (they may serve several models:
     deploy/fleet.py) and ``gateways`` gateways, one per node; the gateways' fields named
     in ``keep`` (the user's flags) are not taken from the engine. A replica kept from an
-    earlier ``up`` keeps its engine.
+    earlier ``up`` keeps its engine. ``autoscale``: a detached scaler actor grows and
+    shrinks the fleet within its bounds from then on (deploy/scaler.py); without it, a
+    scaler an earlier ``up`` left is removed.
 
     Returns the gateways' URLs and the replicas'. Requires :func:`connect`.
     """
@@ -125,6 +130,7 @@ def up(
         raise ValueError(
             f"--gateways {gateways}: one gateway per node, and the cluster has {len(nodes)}"
         )
+    stop_scaler()  # first: it starts no replica while this one places them
     wanted = [f"{REPLICA_PREFIX}{i}" for i in range(replicas)]
     for name in replica_names():
         if name not in wanted:
@@ -142,7 +148,24 @@ def up(
         gateway.configured_by(cards[0], keep), host, [port] * gateways, nodes[:gateways],
         detached=True, backends=replicas,
     )  # fmt: skip
+    if autoscale is not None:
+        options = {
+            "num_cpus": REPLICA_CPUS,
+            "scheduling_strategy": "SPREAD",
+            "lifetime": "detached",
+        }
+        if isinstance(engines[0], VLLMConfig) and ray.cluster_resources().get("GPU", 0):
+            options["num_gpus"] = 1
+        start_scaler(autoscale, engines[0], host, fronts[0], options, detached=True)
     return fronts, [card.url for card in cards]
+
+
+def stop_scaler() -> bool:
+    """Remove the scaler actor if there is one (its replicas stay)."""
+    if SCALER_NAME not in ray.util.list_named_actors():
+        return False
+    ray.kill(ray.get_actor(SCALER_NAME), no_restart=True)
+    return True
 
 
 def placement(engine: EngineSpec, index: int, replicas: int, nodes: list[str]) -> dict[str, Any]:
@@ -198,8 +221,9 @@ def _probe(
 def down() -> int:
     """Remove every gateway and replica actor; return how many actors were removed. The
     replicas are stopped first, so that a vLLM server ends with its files removed."""
+    scaler = stop_scaler()  # first: it starts no replica while they go
     gateways, replicas = gateway_names(), replica_names()
     for name in gateways:
         ray.kill(ray.get_actor(name), no_restart=True)
     stop_replicas([ray.get_actor(name) for name in replicas])
-    return len(gateways) + len(replicas)
+    return len(gateways) + len(replicas) + scaler

@@ -20,9 +20,9 @@ from typing import Any
 import ray
 
 from deploy.gateways import start_gateways
-from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME
+from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
-from deploy.scaler import FleetScalerActor
+from deploy.scaler import start_scaler
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
 from replica.vllm_server import VLLMConfig, cores_of, cpu_build
@@ -107,21 +107,6 @@ def serve(
         ray.shutdown()
         if sock is not None:
             sock.close()
-
-
-def start_scaler(
-    config: AutoscaleConfig, engine: EngineSpec, host: str, gateway_url: str,
-    detached: bool = False,
-) -> Any:  # fmt: skip
-    """The fleet's scaler actor, running (deploy/scaler.py); an admin key for the
-    gateway's cache values, where keys are configured, from
-    ``$PREFIX_ROUTER_ADMIN_KEY``."""
-    lifetime = {"lifetime": "detached"} if detached else {}
-    scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
-        config, engine, host, gateway_url, detached, os.environ.get("PREFIX_ROUTER_ADMIN_KEY")
-    )
-    scaler.run.remote()
-    return scaler
 
 
 def scaled_replicas(known: Sequence[Any]) -> list[Any]:

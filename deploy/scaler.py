@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ import httpx
 import numpy as np
 import ray
 
-from deploy.names import REPLICA_PREFIX
+from deploy.names import REPLICA_PREFIX, SCALER_NAME
 from deploy.replicas import EngineSpec, replica_actor, stop_replicas
 from router.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
 
@@ -35,7 +36,8 @@ DRAIN_NOTICE_S = 3.0
 
 
 class FleetScaler:
-    """The body of the scaler actor (a plain class, readable without Ray)."""
+    """The body of the scaler actor: it watches the fleet from its construction, in the
+    running event loop (Ray's, in the actor)."""
 
     def __init__(
         self,
@@ -43,11 +45,13 @@ class FleetScaler:
         engine: EngineSpec,
         host: str | None,
         gateway_url: str,
-        detached: bool = False,
+        actor_options: dict[str, Any] | None = None,
         admin_key: str | None = None,
     ) -> None:
+        """``actor_options``: how a new replica actor is placed (Ray's ``options``)."""
         self.config, self.engine, self.host = config, engine, host
-        self.gateway_url, self.admin_key, self.detached = gateway_url, admin_key, detached
+        self.gateway_url, self.admin_key = gateway_url, admin_key
+        self.actor_options = actor_options or {"num_cpus": 0}
         self.autoscaler = Autoscaler(config, time.monotonic)
         self.rng = np.random.default_rng()
         self._draining: set[str] = set()
@@ -57,6 +61,9 @@ class FleetScaler:
         self._tasks: set[asyncio.Task[None]] = set()
         #: (time, event, replica): ``started``, ``draining``, ``stopped``, for reports.
         self.events: list[tuple[float, str, str]] = []
+        # Ray runs an async actor's constructor in its event loop: the watch starts with
+        # the actor (a restarted one too), not with a call its creator may not outlive.
+        self._watch = asyncio.get_running_loop().create_task(self.run())
 
     async def run(self) -> None:
         """Watch the fleet until the actor is killed."""
@@ -97,10 +104,9 @@ class FleetScaler:
         taken = set(await asyncio.to_thread(ray.util.list_named_actors))
         names = [f"{REPLICA_PREFIX}{i}" for i in range(len(taken) + count + 1)]
         fresh = [name for name in names if name not in taken][:count]
-        lifetime = {"lifetime": "detached"} if self.detached else {}
         handles = [
             replica_actor(self.engine)
-            .options(name=name, num_cpus=0, **lifetime)
+            .options(name=name, **self.actor_options)
             .remote(self.engine, self.host)
             for name in fresh
         ]
@@ -151,3 +157,18 @@ class FleetScaler:
 
 
 FleetScalerActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(FleetScaler)
+
+
+def start_scaler(
+    config: AutoscaleConfig, engine: EngineSpec, host: str | None, gateway_url: str,
+    replica_options: dict[str, Any] | None = None, detached: bool = False,
+) -> Any:  # fmt: skip
+    """The fleet's scaler actor, running (deploy/scaler.py), placing new replicas with
+    ``replica_options``; an admin key for the gateway's cache values, where keys are
+    configured, from ``$PREFIX_ROUTER_ADMIN_KEY``."""
+    lifetime = {"lifetime": "detached"} if detached else {}
+    scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
+        config, engine, host, gateway_url, replica_options,
+        os.environ.get("PREFIX_ROUTER_ADMIN_KEY"),
+    )  # fmt: skip
+    return scaler

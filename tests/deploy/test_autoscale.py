@@ -36,10 +36,12 @@ def test_the_fleet_grows_under_a_burst_and_shrinks_after_it_failing_nothing():
     assert served == {"replica-0", "replica-1"}  # the new one served its share
 
 
-async def burst_then_trickle(url: str) -> tuple[list[tuple[float, dict[str, bool]]], list]:
-    """Eight clients asking for 60 tokens at a time for 12 s, then one for a few short
-    requests while the fleet shrinks; the fleet as ``/stats`` saw it every 0.25 s
-    (replica -> draining) and every answer (status, replica)."""
+async def burst_then_trickle(
+    url: str, clients: int = 8, floor: int = 1
+) -> tuple[list[tuple[float, dict[str, bool]]], list]:
+    """``clients`` clients asking for 60 tokens at a time for 12 s, then one for short
+    requests until the fleet is back to ``floor`` replicas; the fleet as ``/stats`` saw
+    it every 0.25 s (replica -> draining) and every answer (status, replica)."""
     answers: list[tuple[int | str, str | None]] = []
     seen: list[tuple[float, dict[str, bool]]] = []
     started = time.monotonic()
@@ -70,9 +72,9 @@ async def burst_then_trickle(url: str) -> tuple[list[tuple[float, dict[str, bool
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(client, stop))
         until = time.monotonic() + 12
-        await asyncio.gather(*(client_loop(client, i, until) for i in range(8)))
+        await asyncio.gather(*(client_loop(client, i, until) for i in range(clients)))
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(seen[-1][1]) > 1:  # until it is one again
+        while time.monotonic() < deadline and len(seen[-1][1]) > floor:  # until it is back
             await ask(client, "a short question", 4)
             await asyncio.sleep(0.2)
         stop.set()

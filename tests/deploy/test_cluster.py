@@ -1,5 +1,6 @@
 """Deployment onto a real `ray start --head` cluster, and onto two nodes."""
 
+import asyncio
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from deploy.names import NAMESPACE
 from deploy.processes import free_port
 from replica.api.config import ReplicaConfig
 from router.config import GatewayConfig
+from tests.deploy.test_autoscale import burst_then_trickle
 from tests.loadtest.test_bench import TINY, check_report
 from tests.shared import (
     VLLM_ARGS,
@@ -123,6 +125,28 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
 
 
 @pytest.mark.vllm
+def test_up_grows_from_two_replicas_to_four_under_a_burst_and_back_failing_nothing(head):
+    port = free_port()
+    done = prefix_router(
+        "up", "--address", "auto", "--replicas", "2", "--port", str(port),
+        "--replica-speedup", "0.2", "--min-replicas", "2", "--max-replicas", "4",
+        "--target-ongoing-requests", "4", "--upscale-delay-s", "1", "--downscale-delay-s", "3",
+        "--interval-s", "0.5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "autoscaling: 2 to 4 replicas (scale-in by cache)" in done.stdout
+    try:
+        seen, answers = asyncio.run(burst_then_trickle(f"http://127.0.0.1:{port}", 16, 2))
+    finally:
+        removed = prefix_router("down", "--address", "auto")
+    assert removed.returncode == 0, removed.stderr
+    assert not [answer for answer in answers if answer[0] != 200]
+    sizes = [len(replicas) for _, replicas in seen]
+    assert sizes[0] == 2 and max(sizes) == 4 and sizes[-1] == 2, sizes
+    assert len({replica for _, replica in answers}) == 4  # the new ones served
+    assert any(any(replicas.values()) for _, replicas in seen)  # they drained, then went
+
+
 def test_a_vllm_replica_on_a_ray_start_cluster_up_status_and_down(head, tiny_model):
     """A CPU server takes every core of its node: this one-node cluster holds one, which
     `up` places, the gateway routes precisely, and `down` stops with its files."""
