@@ -10,6 +10,7 @@ stops the gateways, the replicas (a vLLM server with its files) and Ray, in that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -103,18 +104,20 @@ def serve(
             ray.kill(scaler, no_restart=True)
         for handle in gateway_actors:  # held until now: an actor lives as long as its handle
             ray.kill(handle, no_restart=True)
-        stop_replicas([*handles, *scaled_replicas(handles)])
+        stop_replicas([*handles, *named_replicas()])  # those a scaler started too
         ray.shutdown()
         if sock is not None:
             sock.close()
 
 
-def scaled_replicas(known: Sequence[Any]) -> list[Any]:
-    """The replica actors a scaler started (those not among ``known``)."""
-    names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_PREFIX)]
-    ours = {handle._actor_id for handle in known}
-    found = [ray.get_actor(name) for name in names]
-    return [handle for handle in found if handle._actor_id not in ours]
+def named_replicas() -> list[Any]:
+    """Every replica actor alive now, by its name (one gone meanwhile is skipped)."""
+    handles = []
+    for name in ray.util.list_named_actors():
+        if name.startswith(REPLICA_PREFIX):
+            with contextlib.suppress(ValueError):
+                handles.append(ray.get_actor(name))
+    return handles
 
 
 def on_one_machine(engine: EngineSpec, index: int, replicas: int) -> EngineSpec:
