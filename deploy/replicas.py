@@ -32,6 +32,7 @@ from deploy.processes import free_port
 from deploy.serving import Server, listening_socket, serve_in_loop
 from replica.api.card import EngineCard, sim_card
 from replica.api.config import ReplicaConfig
+from replica.api.figures import vllm_requests_in_engine
 from replica.server import create_app
 from replica.vllm_server import Ports, VLLMConfig, VLLMServer
 from router.autoscaler import FleetLoad
@@ -82,8 +83,8 @@ class SimReplica:
     async def load(self) -> FleetLoad:
         """Requests it runs or queues, and prompt tokens waiting for prefill."""
         await self.url()
-        engine = self._app.state.replica.engine
-        return FleetLoad(engine.num_running + engine.num_waiting, engine.queued_prefill_tokens)
+        replica = self._app.state.replica
+        return FleetLoad(replica.load, replica.engine.queued_prefill_tokens)
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
@@ -139,12 +140,7 @@ class VLLMReplica:
         tokens it does not say)."""
         url = await self.url()
         text = await asyncio.to_thread(lambda: httpx.get(f"{url}/metrics", timeout=5).text)
-        gauges = {"running": 0.0, "waiting": 0.0}
-        for line in text.splitlines():
-            for name in gauges:
-                if line.startswith(f"vllm:num_requests_{name}"):
-                    gauges[name] += float(line.rsplit(" ", 1)[1])
-        return FleetLoad(int(gauges["running"] + gauges["waiting"]), 0)
+        return FleetLoad(vllm_requests_in_engine(text), 0)
 
     async def stop(self) -> None:
         if self._watcher is not None:

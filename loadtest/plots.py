@@ -87,11 +87,8 @@ def fleet_size_chart(rows: Sequence[Row], path: Path) -> None:
     """Replicas held over the run, a step line per row that scaled."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for row in rows:
-        sizes = row.get("fleet_sizes")
-        if sizes:
-            times = [t for t, _ in sizes] + [row["duration_s"]]
-            counts = [n for _, n in sizes] + [sizes[-1][1]]
-            ax.step(times, counts, where="post", label=row["label"])
+        if row.get("fleet_sizes"):
+            _steps(ax, row["fleet_sizes"], row["duration_s"], row["label"])
     ax.set_xlabel("seconds")
     ax.set_ylabel("replicas")
     ax.set_title("The fleet's size")
@@ -105,15 +102,18 @@ def hot_sets_chart(rows: Sequence[Row], path: Path, shown: int = 3) -> None:
     for row in rows:
         sets = row.get("hot_sets") or {}
         for prefix, figures in sorted(sets.items(), key=lambda i: -i[1]["largest"])[:shown]:
-            sizes = figures["sizes"]
-            times = [t for t, _ in sizes] + [row["duration_s"]]
-            ax.step(times, [n for _, n in sizes] + [sizes[-1][1]], where="post",
-                    label=f"{row['label']}: {prefix[:8]}")  # fmt: skip
+            _steps(ax, figures["sizes"], row["duration_s"], f"{row['label']}: {prefix[:8]}")
     ax.set_xlabel("seconds")
     ax.set_ylabel("replicas holding it on purpose")
     ax.set_title("Hot prefixes' replication sets")
     ax.legend(fontsize=8)
     save_figure(fig, path)
+
+
+def _steps(ax: plt.Axes, sizes: Sequence[Sequence[float]], end: float, label: str) -> None:
+    """A size that holds from each (time, size) on, drawn to ``end``."""
+    times = [t for t, _ in sizes] + [end]
+    ax.step(times, [n for _, n in sizes] + [sizes[-1][1]], where="post", label=label)
 
 
 def live_hit_rate_chart(rows: Sequence[Row], path: Path) -> None:

@@ -5,17 +5,17 @@ The decision is Ray Serve's (``target_ongoing_requests``, ``upscale_delay_s``,
 in flight or waiting (in the engines and in the gateway's queue), and the prompt
 tokens waiting to be prefilled. The fleet wants as many replicas as either signal
 needs at its target per replica, within ``[min_replicas, max_replicas]``; a wish to
-grow is acted on once it has held for ``upscale_delay_s``, one to shrink once it has
-held for ``downscale_delay_s`` (a burst's trough does not tear the fleet down), and
-the fleet moves to the wish in one go, as Ray Serve's does.
+grow is acted on once it has held for ``upscale_delay_s``, in one go, as Ray Serve's
+does; one to shrink once it has held for ``downscale_delay_s`` (a burst's trough does
+not tear the fleet down), one replica at a time: each stop moves the conversations the
+replica held, and several at once would move them all at once.
 
 Which replica goes is where a cache-aware fleet differs from a load-only one: the
-replica whose cached prefixes the rest of the fleet holds most of already (``cache``:
-the fewest stride keys held by it alone, from the router's index), so the least cache
-value is lost. ``load`` stops the least loaded (what a scaler that knows only load
-does), ``random`` any. A stopped replica first leaves routing, finishes what it holds,
-and only then stops: no request fails (the shells do that: loadtest/replay.py,
-deploy/).
+replica whose loss costs the caches least (``cache``: ``Policy.cache_value``, the recent
+requests through the prefixes it alone holds, from the router's index). ``load`` stops
+the least loaded (what a scaler that knows only load does), ``random`` any. A stopped
+replica first leaves routing, finishes what it holds, and only then stops: no request
+fails (the shells do that: loadtest/replay.py, deploy/).
 
 Pure: the clock and the random generator are passed in.
 """

@@ -63,6 +63,14 @@ def from_vllm_metrics(text: str) -> EngineFigures | None:
                          int(totals["hit_tokens"]))  # fmt: skip
 
 
+def vllm_requests_in_engine(text: str) -> int:
+    """The requests a vLLM server runs or queues now, from its ``/metrics`` gauges
+    (``vllm:num_requests_running`` and ``_waiting``, summed over their labels)."""
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    families = text_string_to_metric_families(text)
+    return int(sum(s.value for f in families if f.name in gauges for s in f.samples))
+
+
 def read_figures(client: httpx.Client, url: str) -> EngineFigures:
     """The figures of the replica at ``url``: ours, or vLLM's; raises ``ValueError`` if it
     is neither, ``httpx.HTTPError`` if it does not answer."""

@@ -65,7 +65,17 @@ def rendezvous_key(request: RoutingRequest) -> bytes:
 def rendezvous(key: bytes, replicas: Sequence[ReplicaState]) -> ReplicaState:
     """Highest random weight: every router picks the same replica for the same key,
     and removing a replica moves only the keys it held."""
-    return max(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.replica_id.encode()))
+    return max(replicas, key=lambda r: rendezvous_weight(key, r))
+
+
+def rendezvous_order(key: bytes, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas by rendezvous weight for ``key``, highest first: the first k are
+    every router's k choices, and removing a replica moves only its own places."""
+    return sorted(replicas, key=lambda r: rendezvous_weight(key, r), reverse=True)
+
+
+def rendezvous_weight(key: bytes, replica: ReplicaState) -> int:
+    return xxhash.xxh3_64_intdigest(key + replica.replica_id.encode())
 
 
 class ConsistentHash(Policy):

@@ -20,13 +20,13 @@ strides that many recent requests shared), named by the key of its last stride.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
+from router.policies.baselines import rendezvous_order
 from router.policies.cache_aware import CacheAware
 
 #: A set shrinks only once the prefix's replicas' worth of traffic is this far below
@@ -105,16 +105,6 @@ class HotSets:
                 self.changes.append((now, key, 1))
 
 
-def rendezvous_order(key: int, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
-    """The replicas by rendezvous weight for ``key``, highest first: every router
-    orders them alike."""
-    raw = key.to_bytes(8, "little")
-    weight: Callable[[ReplicaState], int] = lambda r: xxhash.xxh3_64_intdigest(  # noqa: E731
-        raw + r.replica_id.encode()
-    )
-    return sorted(replicas, key=weight, reverse=True)
-
-
 class CacheAwareReplicated(CacheAware):
     """``cache_aware`` with a replication set per hot prefix (see the module's doc)."""
 
@@ -125,11 +115,17 @@ class CacheAwareReplicated(CacheAware):
         self.hot = HotSets(clock, config.replication_half_life_s, config.replication_headroom)
         self._orders: dict[int, tuple[int, list[ReplicaState]]] = {}  # key -> fleet, order
         self._fleet_version = 0
+        #: The request last priced and its hot prefix's key: its dispatch comes next,
+        #: and counts it without searching its popular part again.
+        self._priced: tuple[RoutingRequest, int | None] | None = None
 
     def hot_key(self, stride_hashes: Sequence[int]) -> int | None:
         """The key of the popular part of a prompt (``None``: no part is popular)."""
-        depth = self.popularity.depth(stride_hashes, self.config.popular_requests)
+        depth = self._popular_depth(stride_hashes)
         return stride_hashes[depth - 1] if depth else None
+
+    def _popular_depth(self, stride_hashes: Sequence[int]) -> int:
+        return self.popularity.depth(stride_hashes, self.config.popular_requests)
 
     def replication_set(self, key: int) -> list[ReplicaState]:
         """The replicas a hot prefix is on now, its set's size brought up to date
@@ -146,7 +142,7 @@ class CacheAwareReplicated(CacheAware):
             return []
         cached = self._orders.get(key)
         if cached is None or cached[0] != self._fleet_version:
-            order = rendezvous_order(key, list(self.order.states.values()))
+            order = rendezvous_order(key.to_bytes(8, "little"), list(self.order.states.values()))
             cached = self._orders[key] = (self._fleet_version, order)
         return cached[1][:size]
 
@@ -163,18 +159,25 @@ class CacheAwareReplicated(CacheAware):
     ) -> dict[str, int]:
         """The matches, with a hot prefix's set priced as holding it."""
         matched = super()._with_session(request, replicas, matched)
-        key = self.hot_key(request.stride_hashes)
+        hashes = request.stride_hashes
+        depth = self._popular_depth(hashes)
+        key = hashes[depth - 1] if depth else None
+        self._priced = (request, key)
         members = self.replication_set(key) if key is not None else []
         if not members:
             return matched
-        popular = self.popular_tokens(request)
+        stride = self.config.block_size * self.config.index.stride
+        popular = min(depth * stride, request.num_prompt_tokens)  # as popular_tokens says
         held = dict(matched)
         for member in members:
             held[member.replica_id] = max(held.get(member.replica_id, 0), popular)
         return held
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
-        self.hot.record(self.hot_key(request.stride_hashes))
+        priced = self._priced
+        key = priced[1] if priced and priced[0] is request else self.hot_key(request.stride_hashes)
+        self._priced = None
+        self.hot.record(key)
         super().on_dispatch(request, replica)
 
     def on_replica_added(self, replica: ReplicaState) -> None:

