@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The editable install also compiles replica/api/_prefix_keys.c in place (pyproject.toml).
-$(INSTALLED): pyproject.toml replica/api/_prefix_keys.c replica/api/chain_key.h router/_lean_index.c | $(BIN)/python
+$(INSTALLED): pyproject.toml replica/api/_prefix_keys.c replica/api/chain_key.h router/index/_lean_index.c | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(INSTALLED)

@@ -20,7 +20,7 @@ import psutil
 
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.index.prefix_index import IndexConfig, PrefixIndex
 
 BLOCK_SIZE = 16
 

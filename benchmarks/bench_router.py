@@ -26,9 +26,10 @@ from loadtest.workloads import load_workload
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.model_tokenizer import HFTokenizer
 from replica.api.tokenizer import TOKEN_DTYPE
-from router import load
-from router.key_cache import HEAD_TOKENS, PrefixKeyCache
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fleet import load
+from router.index.key_cache import HEAD_TOKENS, PrefixKeyCache
+from router.policies import PolicyConfig, make_policy
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK_SIZE, STRIDE = PolicyConfig().block_size, PolicyConfig().index.stride
@@ -74,7 +75,7 @@ def bench_decision(replicas: int, prompt_tokens: int, repeats: int) -> tuple[flo
 
 def bench_seen_turn(prompt_tokens: int, new_tokens: int, repeats: int) -> float:
     """Median microseconds to key a conversation's next turn (``new_tokens`` more) with
-    the gateway's key cache holding the turn before (router/key_cache.py)."""
+    the gateway's key cache holding the turn before (router/index/key_cache.py)."""
     rng = np.random.default_rng(1)
     seed = identity_seed(DEFAULT_MODEL)
     history = rng.integers(0, 2**32, prompt_tokens, dtype=np.uint64).astype(TOKEN_DTYPE)

@@ -5,8 +5,8 @@ modes.
     python -m benchmarks.bench_tenants [--seconds 40] [--fairness fcfs,vtc,prefill]
 
 Four simulated replicas at 0.05x speed behind one gateway that admits
-``--max-outstanding`` requests per replica and queues the rest (router/fairness.py,
-router/slots.py). Each steady tenant streams chats at 2 requests/s on its own
+``--max-outstanding`` requests per replica and queues the rest (router/fair/fairness.py,
+router/fair/slots.py). Each steady tenant streams chats at 2 requests/s on its own
 1,200-token system prompt with a new question each time; the noisy tenant sends 20
 requests/s on its own. The first run has the steady tenants alone; then one run per
 fairness mode with the noisy tenant too, each on fresh replicas (no cache carried

@@ -34,8 +34,8 @@ from replica.api.tokenizer import DEFAULT_TOKENIZER
 from replica.engine import EngineConfig
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from replica.vllm_server import VLLMConfig, vllm_installed
-from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
+from router.fleet.autoscaler import AutoscaleConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,8 +287,8 @@ def add_gateway_parser(commands: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from router.app import create_app
-    from router.backends import parse_backend
+    from router.fleet.backends import parse_backend
+    from router.http.app import create_app
 
     config = config_from_args(GatewayConfig, args)
     check_tokenizer(config)

@@ -27,8 +27,8 @@ from deploy.scaler import start_scaler
 from replica.api.card import EngineCard
 from replica.api.figures import read_figures
 from replica.vllm_server import VLLMConfig
-from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
+from router.fleet.autoscaler import AutoscaleConfig
 
 HEAD_RESOURCE = "node:__internal_head__"
 REPLICA_CPUS = 0.01

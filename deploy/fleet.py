@@ -4,7 +4,7 @@
 each serves its model and, for the simulated engine, those LoRA adapters (vLLM's
 take ``--engine-arg='--enable-lora --lora-modules NAME=PATH'``). Without ``--fleet``,
 ``--replicas`` replicas serve ``--model``. The gateway in front routes each request
-among the replicas of its model (``router/models.py``).
+among the replicas of its model (``router/fleet/models.py``).
 """
 
 from __future__ import annotations

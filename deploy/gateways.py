@@ -5,11 +5,11 @@ and follows the replica actors by name. It starts serving as it is constructed, 
 that when its process dies (``kill -9``, an out-of-memory kill) the actor Ray restarts
 takes its port again with no one to ask it: meanwhile the kernel gives new
 connections to the other gateways on the port, and the new process learns the caches
-from the replicas' replay buffers as it subscribes (``router/kv_subscriber.py``).
+from the replicas' replay buffers as it subscribes (``router/index/kv_subscriber.py``).
 
 They agree without talking to each other: every gateway subscribes to every replica's
 KV events and load reports, so each has the same index and sees the load the others
-send (``router/load.py``).
+send (``router/fleet/load.py``).
 
 On one machine the gateways share one port (SO_REUSEPORT: the kernel spreads new
 connections over them) or take consecutive ports; on a cluster, ``up`` places one
@@ -29,8 +29,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
 from deploy.serving import PortBusyError, listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
-from router.app import create_app
 from router.config import GatewayConfig
+from router.http.app import create_app
 from router.stats import BackendStats, GatewayStats
 
 

@@ -27,9 +27,9 @@ from deploy.scaler import start_scaler
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
 from replica.vllm_server import VLLMConfig, cores_of, cpu_build
-from router.app import create_app
-from router.autoscaler import AutoscaleConfig
 from router.config import GatewayConfig
+from router.fleet.autoscaler import AutoscaleConfig
+from router.http.app import create_app
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:

@@ -35,7 +35,7 @@ from replica.api.config import ReplicaConfig
 from replica.api.figures import vllm_requests_in_engine
 from replica.server import create_app
 from replica.vllm_server import Ports, VLLMConfig, VLLMServer
-from router.autoscaler import FleetLoad
+from router.fleet.autoscaler import FleetLoad
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One actor watches the replica actors (named ``replica-N``, as the gateways follow them)
 every ``interval_s``: it adds their requests running or queued and their queued
-prefill tokens, and asks ``router/autoscaler.py`` (the replayer's rule too) for the
+prefill tokens, and asks ``router/fleet/autoscaler.py`` (the replayer's rule too) for the
 fleet's size. To grow, it starts replica actors under the next free names; the gateways
 find them within a second and route to them as soon as they serve (empty: the policy
 sends them new prefixes, hot ones first where it replicates them). To shrink, it picks
@@ -26,7 +26,7 @@ import ray
 
 from deploy.names import REPLICA_PREFIX, SCALER_NAME
 from deploy.replicas import EngineSpec, replica_actor, stop_replicas
-from router.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
+from router.fleet.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
 
 log = logging.getLogger(__name__)
 

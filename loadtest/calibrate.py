@@ -36,7 +36,7 @@ from loadtest.plots import plt, save_figure
 from replica.api.card import EngineCard, vllm_cache_config
 from replica.api.cost_model import CostProfile, get_profile
 from replica.calibration import TERMS, DecodeSample, Fit, PrefillSample, Sample, fit
-from router.backends import describe
+from router.fleet.backends import describe
 
 #: The most of the engine's KV a decode batch may take: the rest for what it still holds.
 KV_USE = 0.8

@@ -9,14 +9,14 @@ same seed.
 
 A fleet may serve several models (``ReplayConfig.fleet``), each replica one, with the
 LoRA adapters the workload asks for on it: every router then routes each request
-among its model's replicas with that model's policy (``router/models.py``), as a
+among its model's replicas with that model's policy (``router/fleet/models.py``), as a
 gateway does.
 
 With ``routers`` G > 1 the requests are spread at random over G routers, each with
 its own policy, index and load view, as G gateways are: each sees the engines' KV
 events and their load reports (one after every engine step, as a replica publishes
 its load on change) ``event_delay_s`` after they happen, and counts its own
-dispatches since the last report (``router.load.reported``). A third kind of event
+dispatches since the last report (``router.fleet.load.reported``). A third kind of event
 delivers them.
 """
 
@@ -36,14 +36,14 @@ from replica.api.identity import affinity_key, block_hashes, identity_seed, pref
 from replica.api.kv_events import KVEvent
 from replica.api.stats import LoadReport
 from replica.engine import Burst, Engine, EngineConfig, EngineRequest, StepResult
-from router import load
-from router.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
-from router.cache_budget import within_budget
-from router.fairness import FairQueue, FairShare, check_fairness
-from router.models import ModelRoutes, ServedName
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
-from router.policies.replicated import CacheAwareReplicated
-from router.slots import with_free_slot
+from router.core import ReplicaState, RoutingRequest
+from router.fair.cache_budget import within_budget
+from router.fair.fairness import FairQueue, FairShare, check_fairness
+from router.fair.slots import with_free_slot
+from router.fleet import load
+from router.fleet.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
+from router.fleet.models import ModelRoutes, ServedName
+from router.policies import PolicyConfig, make_policy
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class ReplayConfig:
     max_loras: int = 1
     #: Requests in flight per replica, beyond which they wait in their router's queue
     #: (a gateway's ``--max-outstanding-per-replica``; 0: no limit and no queue), and
-    #: who goes next from it: ``prefill``, ``vtc`` or ``fcfs`` (router/fairness.py),
+    #: who goes next from it: ``prefill``, ``vtc`` or ``fcfs`` (router/fair/fairness.py),
     #: tenants' service halving every ``fair_half_life_s`` (0: never, VTC's lift).
     max_outstanding: int = 0
     fairness: str = "prefill"
@@ -93,9 +93,9 @@ class ReplayConfig:
     #: take (a gateway's ``--fair-reserve-per-replica``; at most all but one).
     fair_reserve_per_replica: int = 2
     #: Tenants' cache budgets, ``NAME=F,...``: each keeps its new prefixes off replicas
-    #: where it holds F of the GPU blocks (a key's ``budget=F``: router/cache_budget.py).
+    #: where it holds F of the GPU blocks (a key's ``budget=F``: router/fair/cache_budget.py).
     cache_budgets: str = ""
-    #: A fleet that grows and shrinks (router/autoscaler.py): it starts at ``replicas``
+    #: A fleet that grows and shrinks (router/fleet/autoscaler.py): it starts at ``replicas``
     #: (within the bounds), and a replica asked for serves ``replica_startup_s`` later
     #: (its engine loading the model). ``min_replicas == max_replicas``: a fixed fleet
     #: of ``replicas``.
@@ -400,8 +400,7 @@ class Simulation:
             [
                 change
                 for policy in self.routes.policies.values()
-                if isinstance(policy, CacheAwareReplicated)
-                for change in policy.hot.changes
+                for change in policy.hot_set_changes()
             ],
         )
 
@@ -463,7 +462,7 @@ class Simulation:
 
     def _free(self, waiting: _Waiting) -> list[ReplicaState]:
         """The replicas that serve ``waiting`` with a slot free for it, as a gateway's
-        are (router/slots.py)."""
+        are (router/fair/slots.py)."""
         routing, config = waiting.routing, self.config
         policy = self.routers[waiting.router][0].policy(routing.model)
         return with_free_slot(
@@ -656,7 +655,7 @@ class Simulation:
         self._routable.append(index)
 
     def _to_stop(self) -> int:
-        """The replica to stop, as the config's ``scale_in`` chooses (router/autoscaler.py)."""
+        """The replica to stop, as ``scale_in`` chooses (router/fleet/autoscaler.py)."""
         routes, states = self.routers[0]
         policy = routes.policy()
         ids = [states[i].replica_id for i in self._routable]

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from loadtest.replay import ReplayResult, RequestRecord
-from router.fairness import PRIORITIES
-from router.latency import percentile
+from router.fair.fairness import PRIORITIES
+from router.path.latency import percentile
 
 Row = dict[str, Any]
 

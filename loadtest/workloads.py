@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from replica.api.tokenizer import TOKEN_DTYPE, ByteTokenizer, Message, Tokenizer
-from router.fairness import PRIORITIES, priority_rank
+from router.fair.fairness import PRIORITIES, priority_rank
 
 ArrivalMode = Literal["poisson", "closed", "trace"]
 ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("poisson", "closed", "trace")
@@ -62,7 +62,7 @@ class Session:
     model: str | None = None
     adapter: str | None = None
     #: Who sends it (``None``: no tenants), and its requests' class's rank (0:
-    #: interactive, 1: batch; router/fairness.py).
+    #: interactive, 1: batch; router/fair/fairness.py).
     tenant: str | None = None
     priority: int = 0
 

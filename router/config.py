@@ -10,8 +10,8 @@ from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.token_cache import DEFAULT_CACHE_TOKENS
 from replica.api.tokenizer import DEFAULT_TOKENIZER
-from router.fairness import check_fairness
-from router.key_cache import DEFAULT_KEY_CACHE_TOKENS
+from router.fair.fairness import check_fairness
+from router.index.key_cache import DEFAULT_KEY_CACHE_TOKENS
 from router.policies import POLICIES, PolicyConfig
 
 
@@ -27,7 +27,7 @@ class DashboardConfig:
     dashboard_window_s: float = 60.0
     #: How long a refresh waits for a replica's ``/stats`` (its cache occupancy).
     dashboard_replica_timeout_s: float = 1.0
-    #: Hot prefixes shown, and kept (counted on the request path; see router/hot_prefixes.py).
+    #: Hot prefixes shown, and kept (counted on the request path; see router/index/hot_prefixes.py).
     hot_prefixes_shown: int = 10
     hot_prefixes_kept: int = 1024
     hot_prefix_half_life: int = 4096
@@ -60,7 +60,7 @@ class GatewayConfig:
     #: (replica/api/token_cache.py; its size in ``/stats``).
     tokenizer_cache_tokens: int = DEFAULT_CACHE_TOKENS
     #: Recent long prompts' tokens and keys, in tokens (0: none): a conversation's next
-    #: turn hashes only its new tokens (router/key_cache.py; its size in ``/stats``).
+    #: turn hashes only its new tokens (router/index/key_cache.py; its size in ``/stats``).
     key_cache_tokens: int = DEFAULT_KEY_CACHE_TOKENS
     #: The policies' knobs, the fleet's block size and the router's stride: the very
     #: object the offline replayer routes with (``ReplayConfig.routing``).
@@ -68,7 +68,7 @@ class GatewayConfig:
     #: KV blocks assumed per backend when it does not say (sizes the approximate index).
     capacity_blocks: int = 4096
     #: Check each joining backend: block size, tokenizer, and a canary prompt's KV events
-    #: (see router/backend_check.py); one that disagrees is routed approximately.
+    #: (see router/fleet/backend_check.py); one that disagrees is routed approximately.
     check_backends: bool = True
     kv_events_interval_s: float = 0.05
     #: How often each backend is asked again what it serves (its card: the LoRA adapters
@@ -80,7 +80,7 @@ class GatewayConfig:
     upstream_read_timeout_s: float = 120.0
     upstream_timeout_s: float = 600.0
     seed: int = 0
-    #: API keys, one ``KEY TENANT [admin]`` per line (see router/tenants.py); with
+    #: API keys, one ``KEY TENANT [admin]`` per line (see router/fair/tenants.py); with
     #: ``$PREFIX_ROUTER_API_KEYS``. None configured: no authentication.
     api_keys_file: str = ""
     #: Where a request's session key is read: a header's name, or ``user`` (the
@@ -92,7 +92,7 @@ class GatewayConfig:
     #: Requests that may wait for a free replica, and for how long; beyond: 429.
     max_queued: int = 512
     queue_timeout_s: float = 30.0
-    #: Who goes next from that queue (router/fairness.py): ``prefill`` charges each
+    #: Who goes next from that queue (router/fair/fairness.py): ``prefill`` charges each
     #: tenant the prefill it caused and generated tokens, ``vtc`` every token, ``fcfs``
     #: none (first come, first served); request classes go first in all three.
     fairness: str = "prefill"
@@ -100,7 +100,7 @@ class GatewayConfig:
     #: seconds (0: for ever, with VTC's lift of a tenant back from idle).
     fair_half_life_s: float = 30.0
     #: Slots per replica that a tenant holding more than its share of the fleet's
-    #: slots may not take (router/fairness.py): free for a lighter tenant's next
+    #: slots may not take (router/fair/fairness.py): free for a lighter tenant's next
     #: request, so that it does not wait for a flood's to end. At most all but one.
     fair_reserve_per_replica: int = 2
     #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.

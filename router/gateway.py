@@ -1,59 +1,80 @@
-"""The gateway's routing state: the policy, the backends, the admission queue, the counters.
+"""One gateway: its parts, and the request path composed from its stages.
 
-One :class:`Gateway` per app. It turns a prompt into what the policy sees (block
-identities at every ``stride``-th boundary, seeded as the replicas seed them),
-admits requests while replicas of their model have room, and switches policies at
-run time; each model served has a policy of its own (``router/models.py``). The
-request path is ``router/upstream.py``; the HTTP handlers are ``router/app.py``.
+A completion request walks the stages of ``router/path/`` once each, in one
+direction; each takes the value the stage before returned and returns the next, and
+none calls back into the gateway:
+
+    envelope.read   the body (413 over the limits), its prompt tokenized     -> Envelope
+    Resolver        tenant, salt, class, model, session, the prompt's keys   -> Ticket
+    Admitter        a slot on a replica of its model, or its turn in the queue -> replicas
+    Placer          the policy's choice within the tenant's budget, recorded  -> Placement
+    Dispatcher      upstream, the answer relayed; settled when it ends       -> Response
+    Settlement      (called by the dispatcher) load, counters, tenant service
+
+:meth:`Gateway.handle` composes them, and places a request again on another replica
+while a failed try has sent the client nothing. The gateway also owns what the
+stages share: the tokenizer, the prefix keys, one policy per model
+(``router/fleet/models.py``), the backends, the fair queue and the counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 
 import aiohttp
 import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
 
-from replica.api import openai as api
-from replica.api.identity import affinity_key, identity_seed
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
-from router import cache_budget
-from router.accounting import Accounting
-from router.admission import AdmissionQueue
-from router.backend_check import BackendCheck
-from router.backends import BackendPool
 from router.config import GatewayConfig
-from router.fairness import FairShare
-from router.hot_prefixes import HotPrefixes
-from router.key_cache import PrefixKeyCache
-from router.metrics import GatewayMetrics
-from router.models import ModelRoutes, ServedName
-from router.policies import Policy, ReplicaState, RoutingRequest, make_policy
-from router.policies.indexed import IndexedPolicy
-from router.policies.replicated import CacheAwareReplicated
-from router.slots import with_free_slot
+from router.core import ReplicaState, RoutingRequest
+from router.fair.admission import AdmissionQueue, Overloaded
+from router.fair.fairness import FairShare
+from router.fair.tenants import ApiKeys, SaltBook
+from router.fleet.backend_check import BackendCheck
+from router.fleet.backends import BackendPool
+from router.fleet.http_client import Client, Timeouts
+from router.fleet.models import ModelRoutes
+from router.index.hot_prefixes import HotPrefixes
+from router.index.key_cache import PrefixKeyCache
+from router.path import envelope
+from router.path.accounting import Accounting
+from router.path.admit import Admitter
+from router.path.dispatch import Dispatcher, UpstreamFailed, error_response
+from router.path.place import Placer
+from router.path.resolve import Resolver, Ticket
+from router.path.settle import Settlement
+from router.policies import Policy, make_policy
 from router.stats import GatewayStats, HotSetStats
-
-#: The most cache salts whose tenant the gateway remembers.
-MAX_SALTS = 65_536
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, client: aiohttp.ClientSession) -> None:
+    """One gateway's routing state and its request path. ``client``: the pooled session
+    for the backends' health, statistics and events; ``upstream``: the request path's
+    kept-alive client (by default, one with the config's timeouts)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        client: aiohttp.ClientSession,
+        keys: ApiKeys | None = None,
+        upstream: Client | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(
             config.tokenizer, config.chat_template, config.tokenizer_cache_tokens
         )
+        routing = config.routing
         self.prefix_keys = PrefixKeyCache(
-            config.routing.block_size, config.routing.index.stride, config.key_cache_tokens
+            routing.block_size, routing.index.stride, config.key_cache_tokens
         )
         self.rng = np.random.default_rng(config.seed)
         self.policy_name = config.policy
         self.models = ModelRoutes(self._policy_for, config.model)
-        routing = config.routing
         check = BackendCheck(
             client, self.tokenizer, config.model, routing.block_size, routing.index.stride
         )
@@ -67,25 +88,70 @@ class Gateway:
             check=check if config.check_backends else None,
             describe_interval_s=config.describe_interval_s,
         )
-        self.admission = AdmissionQueue(
-            config.max_queued,
-            config.queue_timeout_s,
-            FairShare(config.fairness, config.fair_half_life_s),
-            can_serve=lambda request: bool(self.available(request)),
-        )
+        fair = FairShare(config.fairness, config.fair_half_life_s)
+        self.queue = AdmissionQueue(config.max_queued, config.queue_timeout_s, fair)
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
-        self.metrics = GatewayMetrics(
-            self.accounting, self.pool, self.admission, self.tenant_footprint
-        )
-        #: Which tenant each cache salt seen belongs to, and each tenant's salts: blocks
-        #: in the index carry the salt only. Bounded: salts a tenant's own
-        #: ``cache_salt`` spells are unbounded.
-        self.salt_tenants: dict[str, str] = {}
-        self.tenant_salts: dict[str, set[str]] = {}
+        self.salts = SaltBook()
         board = config.dashboard
         self.hot_prefixes = HotPrefixes(
             board.hot_prefixes_kept, board.hot_prefix_half_life, board.hot_prefix_sample_tokens
         )
+        # The request path's stages, in the order a request walks them.
+        self.keys = keys or ApiKeys({})
+        self.resolver = Resolver(
+            config,
+            self.keys,
+            self.models,
+            self.prefix_keys,
+            self.hot_prefixes,
+            self.salts,
+            self.accounting,
+        )
+        self.admitter = Admitter(config, self.queue, self.pool, self.models)
+        self.placer = Placer(self.models, self.pool, self.salts, self.accounting, fair)
+        settlement = Settlement(self.accounting, self.queue)
+        self.upstream = upstream or Client(timeouts(config))
+        self.dispatcher = Dispatcher(self.upstream, self.pool, settlement)
+
+    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+        """One completion request, through the stages (see the module's doc)."""
+        read = await envelope.read(request, path, chat, self.config, self.tokenizer)
+        ticket = self.resolver.resolve(read)
+        if not self.pool.backends:
+            return error_response("no backends to route to", 503)
+        try:
+            candidates = await self.admitter.admit(ticket.request)
+        except Overloaded as error:
+            headers = {"retry-after": str(error.retry_after_s)}
+            return error_response(str(error), 429, headers)
+        self.accounting.overhead.observe(time.perf_counter() - read.received)
+        return await self._with_retries(ticket, candidates)
+
+    async def _with_retries(self, ticket: Ticket, candidates: list[ReplicaState]) -> Response:
+        """Place and send; after a failed try, place again among the replicas not
+        tried yet, at most ``max_retries`` times."""
+        request, tried = ticket.request, set[str]()
+        failure = UpstreamFailed("every replica is down")
+        max_retries = self.config.max_retries
+        for attempt in range(max_retries + 1):
+            candidates = [s for s in candidates if s.replica_id not in tried]
+            if not candidates:
+                break
+            placement = self.placer.place(request, candidates)
+            tried.add(placement.backend.state.replica_id)
+            try:
+                return await self.dispatcher.send(ticket, placement)
+            except UpstreamFailed as error:
+                failure = error
+            if attempt < max_retries:
+                self.accounting.retries += 1
+                await self._backoff(attempt)
+                candidates = self.admitter.after_failure(request)
+        return error_response(f"no replica could serve the request: {failure}", 502)
+
+    async def _backoff(self, attempt: int) -> None:
+        jitter = 0.5 + self.rng.random()
+        await asyncio.sleep(self.config.retry_backoff_s * 2**attempt * jitter)
 
     def _policy_for(self, model: str) -> Policy:
         routing = replace(self.config.routing, model=model)  # it seeds the model's index
@@ -107,55 +173,17 @@ class Gateway:
 
     def _added(self, state: ReplicaState) -> None:
         self.models.added(state)
-        self.admission.slot_freed()  # requests for its model may be waiting for it
-
-    def resolve(self, model: object) -> ServedName:
-        """What a request's ``model`` field names; 404, as vLLM answers, if no replica
-        serves it."""
-        name = model if isinstance(model, str) else None
-        served = self.models.resolve(name)
-        if served is None:
-            known = ", ".join(name for name, _ in self.models.names())
-            raise api.Rejected(f"the model {name!r} does not exist (served: {known})", 404, "model")
-        return served
-
-    def routing_request(
-        self,
-        prompt: np.ndarray,
-        cache_salt: str | None,
-        tenant: str | None = None,
-        served: ServedName | None = None,
-    ) -> RoutingRequest:
-        """Hash the prompt as a replica will: seeded by model (or adapter) and salt."""
-        served = served or ServedName(self.config.model)
-        seed = identity_seed(served.name, cache_salt)  # one short hash, no cache to grow
-        if tenant is not None and cache_salt is not None:
-            self._learn_salt(cache_salt, tenant)
-        routing = self.config.routing
-        block_size, stride = routing.block_size, routing.index.stride
-        hashes = self.prefix_keys.keys(prompt, seed)
-        self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
-        return RoutingRequest(
-            api.new_id("route"), len(prompt), hashes, tenant=tenant,
-            model=served.model, adapter=served.adapter,
-            affinity=affinity_key(prompt, block_size, stride, seed),
-        )  # fmt: skip
-
-    def _learn_salt(self, salt: str, tenant: str) -> None:
-        if salt not in self.salt_tenants and len(self.salt_tenants) < MAX_SALTS:
-            self.salt_tenants[salt] = tenant
-            self.tenant_salts.setdefault(tenant, set()).add(salt)
+        self.queue.slot_freed()  # requests for its model may be waiting for it
 
     def tenant_footprint(self) -> dict[str, dict[str, int]]:
         """Each tenant's blocks on each replica's GPU (by replica id), as the precise
         indexes know them from the replicas' events."""
         footprint: dict[str, dict[str, int]] = {}
-        for policy in self.models.policies.values():
-            if not isinstance(policy, IndexedPolicy):
-                continue
-            for replica_id in policy.index.replicas:
-                for salt, blocks in policy.index.gpu_blocks_by_salt(replica_id).items():
-                    tenant = self.salt_tenants.get(salt) if salt is not None else None
+        indexes = (policy.prefix_index() for policy in self.models.policies.values())
+        for index in (index for index in indexes if index is not None):
+            for replica_id in index.replicas:
+                for salt, blocks in index.gpu_blocks_by_salt(replica_id).items():
+                    tenant = self.salts.tenant_of(salt)
                     if tenant is not None:
                         held = footprint.setdefault(tenant, {})
                         held[replica_id] = held.get(replica_id, 0) + blocks
@@ -173,62 +201,24 @@ class Gateway:
         sets = [
             HotSetStats(f"{hot.key:016x}", model, hot.share, list(hot.replicas))
             for model, policy in self.models.policies.items()
-            if isinstance(policy, CacheAwareReplicated)
             for hot in policy.hot_sets()
         ]
         return sorted(sets, key=lambda s: -s.share)
 
-    def within_budget(
-        self, policy: Policy, request: RoutingRequest, candidates: Sequence[ReplicaState]
-    ) -> Sequence[ReplicaState]:
-        """The candidates a request of a tenant with a cache budget may go to."""
-        if request.cache_budget is None or request.tenant is None:
-            return candidates
-        salts = self.tenant_salts.get(request.tenant, ())
-        return cache_budget.within_budget(policy, request, candidates, salts)
-
-    async def admit(self, request: RoutingRequest) -> list[ReplicaState]:
-        """The replicas of the request's model with a free slot, once its turn has
-        come; raises :class:`~router.admission.Overloaded` when the queue is full or too
-        slow."""
-        # None waits, or this tenant is within its share: a free slot is one the waiting
-        # could not take (the reserve), or is about to be taken (one is woken for it).
-        if not len(self.admission) or self.admission.fair.within_share(request):
-            states = self.available(request)
-            if states:
-                return states
-        deadline, again = self.admission.deadline(), False
-        while True:  # woken when a slot frees; another request may have taken it
-            await self.admission.wait_turn(deadline, request, again)
-            states = self.available(request)
-            if states:
-                return states
-            again = True
-
-    def serving(self, request: RoutingRequest) -> list[ReplicaState]:
-        """Healthy replicas that serve the request's model (and adapter)."""
-        states = self.pool.states
-        if request.adapter is None and len(self.models.policies) <= 1:
-            return states  # one model: every replica serves it
-        served = ServedName(request.model or self.models.default_model, request.adapter)
-        return self.models.serving(served, states)
-
-    def available(self, request: RoutingRequest) -> list[ReplicaState]:
-        """Those of :meth:`serving` with a slot free for the request: below their cap
-        of requests in flight, less the reserve for a tenant beyond its share, over
-        it on its home for one within (router/slots.py)."""
-        config = self.config
-        return with_free_slot(
-            request, self.serving(request), self.admission.fair,
-            config.max_outstanding_per_replica, config.fair_reserve_per_replica,
-            lambda: self.policy_of(request).holders(request),
-        )  # fmt: skip
-
     def stats(self) -> GatewayStats:
         stats = self.accounting.stats(
-            self.policy_name, self.config, self.pool, self.admission, self.tenant_footprint()
+            self.policy_name, self.config, self.pool, self.queue, self.tenant_footprint()
         )
         stats = replace(stats, key_cache=self.prefix_keys.stats(), hot_sets=self.hot_sets())
         if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.pieces is not None:
             return replace(stats, tokenizer_cache=self.tokenizer.pieces.stats())
         return stats
+
+
+def timeouts(config: GatewayConfig) -> Timeouts:
+    """The request path's timeouts (see ``router/fleet/http_client.py``)."""
+    return Timeouts(
+        config.upstream_connect_timeout_s,
+        config.upstream_read_timeout_s,
+        config.upstream_timeout_s,
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from replica.api.token_cache import TokenCacheStats
 from router.config import GatewayConfig
-from router.key_cache import KeyCacheStats
+from router.index.key_cache import KeyCacheStats
 
 
 @dataclass
@@ -122,7 +122,7 @@ class TenantStats:
     cached_tokens: int
     #: Cached over prompt tokens; ``None`` before the first answer that reported them.
     token_hit_rate: float | None
-    #: What its fair share was charged (router/fairness.py): the prompt tokens the
+    #: What its fair share was charged (router/fair/fairness.py): the prompt tokens the
     #: engines did not have cached, and the tokens they generated.
     charged_tokens: int = 0
     #: Its footprint: blocks its prompts hold on each replica's GPU (by replica id),
@@ -181,7 +181,7 @@ class GatewayStats:
     models: dict[str, TenantStats] = field(default_factory=dict)
     #: Its tokenizer's cache of chats' pieces (None: none, as for ``bytes4``).
     tokenizer_cache: TokenCacheStats | None = None
-    #: Its cache of recent long prompts' keys (router/key_cache.py).
+    #: Its cache of recent long prompts' keys (router/index/key_cache.py).
     key_cache: KeyCacheStats | None = None
     #: Hot prefixes' replication sets, largest share first (none unless the policy
     #: replicates them: router/policies/replicated.py).

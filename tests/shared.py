@@ -70,7 +70,7 @@ def replica_stats(url: str) -> ReplicaStats:
 
 def wait_until_checked(gateway: str, backends: int = 1, timeout_s: float = 60.0) -> GatewayStats:
     """Until the gateway routes ``backends`` backends and has checked each of them (its
-    canary prompts are answered: router/backend_check.py)."""
+    canary prompts are answered: router/fleet/backend_check.py)."""
 
     def checked() -> bool:
         now = gateway_stats(gateway).backends

@@ -17,7 +17,7 @@ from loadtest.report import ROW_KEYS, Row, tier_figures
 from loadtest.workloads import ChatConfig
 from replica.api.figures import EngineFigures
 from replica.api.stats import ReplicaStats
-from router.latency import percentile
+from router.path.latency import percentile
 from router.stats import GatewayStats
 
 

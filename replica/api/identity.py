@@ -87,7 +87,7 @@ def prefix_keys(tokens: np.ndarray, block_size: int, stride: int, seed: int) -> 
     which is what lets a router key the blocks a ``BlockStored`` event carries (parent
     hash, token ids) without the prompt's earlier tokens, as llm-d keys vLLM's events;
     and since every block has its link, the router keeps one number per engine block
-    (``router/event_keys.py``), not the tokens since the last key.
+    (``router/index/event_keys.py``), not the tokens since the last key.
     """
     data = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).data
     step = block_size * TOKEN_DTYPE.itemsize

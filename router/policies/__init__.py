@@ -1,6 +1,6 @@
 """Routing policies, chosen by name from a registry; one small module per family.
 
-- ``base``: the replicas' state, the request as routed, the knobs, the ``Policy`` base;
+- ``base``: the knobs and the ``Policy`` base (the types they read: ``router/core.py``);
 - ``baselines``: round robin, random, least loaded, power of two, consistent hashing;
 - ``indexed``: the base of cache-aware policies (a prefix index);
 - ``cache_aware``: ours, precise and approximate;
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.policies.base import Clock, Policy, PolicyConfig, ReplicaState, RoutingRequest
+from router.core import Clock
+from router.policies.base import Policy, PolicyConfig
 from router.policies.baselines import (
     ConsistentHash,
     LeastLoaded,
@@ -35,11 +36,8 @@ from router.policies.sglang import SGLangCacheAware
 
 __all__ = [
     "POLICIES",
-    "Clock",
     "Policy",
     "PolicyConfig",
-    "ReplicaState",
-    "RoutingRequest",
     "make_policy",
     "rendezvous",
     "rendezvous_key",

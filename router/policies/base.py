@@ -2,14 +2,14 @@
 
 A policy is a small class: ``choose(request, replicas)`` returns one of the
 replicas; ``on_dispatch`` and ``on_complete`` keep its state. The router counts each
-replica's load (see ``router/load.py``); cache-aware policies also set the request's
+replica's load (see ``router/fleet/load.py``); cache-aware policies also set the request's
 predicted cached tokens, so prediction accuracy can be measured. The clock and the
 random generator are passed in, never global.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -18,102 +18,8 @@ import numpy as np
 from replica.api.cost_model import get_profile
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
-from replica.api.stats import LoadReport
-from router.prefix_index import IndexConfig
-
-Clock = Callable[[], float]
-
-
-@dataclass(eq=False)
-class ReplicaState:
-    """What the router knows of one replica.
-
-    ``outstanding_requests`` and ``outstanding_prefill_tokens`` are this router's own:
-    its requests in flight there, and the tokens they still have to prefill (their
-    predicted uncached part) until their first token arrives. Policies balance on
-    ``load_requests`` and ``load_prefill_tokens``: the replica's own last report, which
-    counts every gateway's requests, plus this router's requests dispatched since;
-    without reports (the replayer, a foreign engine), the router's own counts.
-    """
-
-    replica_id: str
-    capacity_blocks: int = 0
-    #: Whether its KV events key to the router's identities (see router/backend_check.py):
-    #: if not, cache-aware policies know it from their decisions alone.
-    precise: bool = True
-    outstanding_requests: int = 0
-    outstanding_prefill_tokens: int = 0
-    dispatched: int = 0
-    report: LoadReport | None = None
-    #: This router's requests in flight there, by id, and those dispatched after the report.
-    in_flight: dict[str, RoutingRequest] = field(default_factory=dict, repr=False)
-    requests_since_report: int = 0
-    prefill_tokens_since_report: int = 0
-    #: KV blocks it could give a new request now, as it last said (``None``: not known,
-    #: as for an engine that does not report its load).
-    free_blocks: int | None = None
-    #: The model it serves and the LoRA adapters on it, as it says of itself (``None``:
-    #: not said; see router/models.py).
-    model: str | None = None
-    adapters: frozenset[str] = frozenset()
-    #: The adapters in its GPU slots, and how many slots another could take now, as it
-    #: last said (``None``: not said).
-    loaded_adapters: tuple[str, ...] | None = None
-    free_adapter_slots: int | None = None
-    #: Told after every change of the load above (``router/load.py`` calls it): the
-    #: policy's ordering of the fleet by load.
-    on_load_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
-
-    @property
-    def load_requests(self) -> int:
-        if self.report is None:
-            return self.outstanding_requests
-        return self.report.running + self.report.waiting + self.requests_since_report
-
-    @property
-    def load_prefill_tokens(self) -> int:
-        if self.report is None:
-            return self.outstanding_prefill_tokens
-        return self.report.prefill_tokens + self.prefill_tokens_since_report
-
-
-@dataclass(eq=False)
-class RoutingRequest:
-    """A request as the router sees it: its length and its leading block identities.
-
-    ``stride_hashes`` are the identities at every ``stride``-th block boundary.
-    ``predicted_cached_tokens`` is set by a cache-aware policy's ``choose``.
-    """
-
-    request_id: str
-    num_prompt_tokens: int
-    stride_hashes: Sequence[int] = field(default=(), repr=False)
-    predicted_cached_tokens: int | None = None
-    #: Who sent it (``None`` without API keys); its identities are seeded per tenant.
-    tenant: str | None = None
-    #: Dispatched and its prefill not yet done: its uncached tokens load the replica.
-    prefilling: bool = field(default=False, repr=False)
-    #: When it was dispatched (wall clock, to compare with the replica's load reports).
-    dispatched_at: float = field(default=0.0, repr=False)
-    #: The client's session key (``None``: it sent none): its turns belong together.
-    session: str | None = None
-    #: The model it names (``None``: the default) and the LoRA adapter it runs under.
-    model: str | None = None
-    adapter: str | None = None
-    #: Its request class's rank (0: interactive, 1: batch; router/fairness.py) and its
-    #: tenant's weight: what orders it in the gateway's queue when replicas are full.
-    priority: int = 0
-    weight: float = 1.0
-    #: Its tenant's cache budget, a fraction of each replica's GPU blocks (``None``:
-    #: none): where its new prefix may be computed (router/cache_budget.py).
-    cache_budget: float | None = None
-    #: The identity of its first stride of blocks (``replica.api.identity.affinity_key``):
-    #: what rendezvous hashing spreads it by when it is cached nowhere.
-    affinity: int | None = field(default=None, repr=False)
-
-    @property
-    def predicted_uncached_tokens(self) -> int:
-        return self.num_prompt_tokens - (self.predicted_cached_tokens or 0)
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.index.prefix_index import IndexConfig, PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -224,8 +130,26 @@ class PolicyConfig:
                              "and popular_requests positive")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class HotSet:
+    """A hot prefix's replication set, for ``/stats`` and the dashboard."""
+
+    key: int
+    #: The prefix's share of recent requests, and its replicas in rendezvous order.
+    share: float
+    replicas: tuple[str, ...]
+
+
 class Policy:
-    """Base class: subclasses set ``name`` and implement ``choose``."""
+    """Base class: subclasses set ``name`` and implement ``choose``.
+
+    What a policy can do beyond choosing is asked of it here, never found by checking
+    its class: the index it keeps (:meth:`prefix_index`), the popular part of a prompt
+    (:meth:`popular_tokens`), its hot prefixes' replication sets (:meth:`hot_sets`,
+    :meth:`spread_over`, :meth:`hot_set_changes`), what the fleet would lose with a
+    replica (:meth:`cache_value`) and who holds a prompt (:meth:`holders`). Each
+    answers "nothing" by default.
+    """
 
     name: ClassVar[str] = ""
 
@@ -239,13 +163,35 @@ class Policy:
 
     def cache_value(self, replica_id: str) -> float:
         """What the fleet's caches would lose with ``replica_id`` (for a scale-in:
-        router/autoscaler.py); a policy that keeps no index knows of nothing."""
+        router/fleet/autoscaler.py); a policy that keeps no index knows of nothing."""
         return 0.0
 
     def holders(self, request: RoutingRequest) -> dict[str, int]:
         """The prompt tokens each replica is predicted to hold on its GPU, by replica id
         (absent: none; a policy that keeps no index predicts none)."""
         return {}
+
+    def prefix_index(self) -> PrefixIndex | None:
+        """The index it routes by, for budgets, footprints and the dashboard (``None``:
+        it keeps none)."""
+        return None
+
+    def popular_tokens(self, request: RoutingRequest) -> int:
+        """Leading tokens of the request that many recent requests shared (a system
+        prompt, say), as far as the policy tracks it (here: not at all)."""
+        return 0
+
+    def hot_sets(self) -> list[HotSet]:
+        """The hot prefixes it spreads over several replicas, largest share first."""
+        return []
+
+    def spread_over(self, stride_hashes: Sequence[int]) -> list[str]:
+        """The replicas the popular part of a prompt is spread over (none: no set)."""
+        return []
+
+    def hot_set_changes(self) -> list[tuple[float, int, int]]:
+        """Every change of a set's size: (when, the prefix's key, the new size)."""
+        return []
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         """Called once the request is sent to ``replica``."""

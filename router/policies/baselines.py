@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from router.policies.base import Clock, Policy, PolicyConfig, ReplicaState, RoutingRequest
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.policies.base import Policy, PolicyConfig
 
 
 class RoundRobin(Policy):

@@ -9,11 +9,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.index.prefix_index import IndexConfig, PrefixPopularity
+from router.policies.base import PolicyConfig
 from router.policies.baselines import rendezvous, rendezvous_key
 from router.policies.indexed import IndexedPolicy
 from router.policies.load_order import Load, LoadOrder
-from router.prefix_index import IndexConfig, PrefixPopularity
 
 
 class CacheAware(IndexedPolicy):
@@ -58,7 +59,7 @@ class CacheAware(IndexedPolicy):
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.popularity = PrefixPopularity()
-        self.order = LoadOrder()  # filled by on_replica_added, kept by router/load.py
+        self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:

@@ -9,7 +9,8 @@ import numpy as np
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.cost_model import CostProfile, attention_pairs, get_profile
-from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.policies.base import PolicyConfig
 from router.policies.cache_aware import CacheAware
 from router.policies.load_order import Load
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from replica.api.kv_events import KVEvent
-from router.policies.base import Clock, Policy, PolicyConfig, ReplicaState, RoutingRequest
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.index.prefix_index import IndexConfig, PrefixIndex
+from router.policies.base import Policy, PolicyConfig
 
 
 class IndexedPolicy(Policy):
@@ -43,11 +44,6 @@ class IndexedPolicy(Policy):
     def on_kv_events(self, replica: ReplicaState, events: Sequence[KVEvent]) -> int:
         return self.index.apply_events(replica.replica_id, events)
 
-    def popular_tokens(self, request: RoutingRequest) -> int:
-        """Leading tokens of the request that many recent requests shared (a system
-        prompt, say), as far as the policy tracks it (here: not at all)."""
-        return 0
-
     def _index_capacity(self, replica: ReplicaState) -> int:
         return replica.capacity_blocks
 
@@ -58,6 +54,9 @@ class IndexedPolicy(Policy):
 
     def holders(self, request: RoutingRequest) -> dict[str, int]:
         return self._matches(request, ())
+
+    def prefix_index(self) -> PrefixIndex:
+        return self.index
 
     def cache_value(self, replica_id: str) -> float:
         """The stride keys it alone holds."""

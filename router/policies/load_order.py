@@ -7,7 +7,7 @@ number of requests ``h`` it grows with the queued prefill alone. So replicas are
 buckets by ``h``, each sorted by queued prefill: the cheapest replica outside a small
 set is found by looking at the head of each bucket (there are as many buckets as
 distinct request counts, a few dozen at most), whatever the fleet's size. Every change
-of a replica's load re-files it (``router/load.py`` calls :meth:`LoadOrder.update`).
+of a replica's load re-files it (``router/fleet/load.py`` calls :meth:`LoadOrder.update`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from router.policies.base import ReplicaState
+from router.core import ReplicaState
 
 #: A replica's load from its queued prefill tokens and its requests: non-decreasing in
 #: the prefill (the one function the policy's full scan uses too, so both agree exactly).

@@ -21,27 +21,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from router.policies.base import Clock, PolicyConfig, ReplicaState, RoutingRequest
+from router.core import Clock, ReplicaState, RoutingRequest
+from router.policies.base import HotSet, PolicyConfig
 from router.policies.baselines import rendezvous_order
 from router.policies.cache_aware import CacheAware
 
 #: A set shrinks only once the prefix's replicas' worth of traffic is this far below
 #: its size less one (a set of k replicas holds for shares down to (k - 1.5) / n).
 SHRINK_MARGIN = 0.5
-
-
-@dataclass(frozen=True)
-class HotSet:
-    """A hot prefix's replication set, for ``/stats`` and the dashboard."""
-
-    key: int
-    #: The prefix's share of recent requests, and its replicas in rendezvous order.
-    share: float
-    replicas: tuple[str, ...]
 
 
 class HotSets:
@@ -145,6 +135,13 @@ class CacheAwareReplicated(CacheAware):
             order = rendezvous_order(key.to_bytes(8, "little"), list(self.order.states.values()))
             cached = self._orders[key] = (self._fleet_version, order)
         return cached[1][:size]
+
+    def spread_over(self, stride_hashes: Sequence[int]) -> list[str]:
+        key = self.hot_key(stride_hashes)
+        return [r.replica_id for r in self.members(key)] if key is not None else []
+
+    def hot_set_changes(self) -> list[tuple[float, int, int]]:
+        return self.hot.changes
 
     def hot_sets(self) -> list[HotSet]:
         """Every prefix on more than one replica, largest share first."""

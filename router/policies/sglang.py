@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from router.policies.base import PolicyConfig, ReplicaState, RoutingRequest
+from router.core import ReplicaState, RoutingRequest
+from router.index.prefix_index import IndexConfig
+from router.policies.base import PolicyConfig
 from router.policies.indexed import IndexedPolicy
-from router.prefix_index import IndexConfig
 
 
 class SGLangCacheAware(IndexedPolicy):

@@ -14,7 +14,7 @@ import pytest
 from loadtest.replay import ReplayConfig, ReplayResult, replay
 from loadtest.report import replay_row
 from loadtest.workloads import ChatConfig, chat_workload, day_shaped
-from router.autoscaler import AutoscaleConfig
+from router.fleet.autoscaler import AutoscaleConfig
 
 #: A day in four minutes: sessions from a quarter of the peak rate to the peak and back.
 DAY = ChatConfig(rate_shape="day", session_rate=1.5, num_sessions=300, num_apps=2, think_time_s=4)

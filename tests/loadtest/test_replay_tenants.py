@@ -26,7 +26,7 @@ def run(fairness: str) -> dict:
     most, cap = max_in_flight(result), FLEET.max_outstanding
     if fairness == "fcfs":
         assert most == cap  # reached, never passed
-    else:  # a light tenant may pass it on its prompt's replica, up to twice (router/slots.py)
+    else:  # a light tenant may pass it on its prompt's replica, up to twice (router/fair/slots.py)
         assert cap <= most <= 2 * cap
     return replay_row(result, fairness)
 
@@ -68,7 +68,7 @@ def test_the_reserve_keeps_a_slot_free_for_light_tenants():
     without slots kept back, a light tenant's request waits for one of the flood's to
     end; with them (the default), it finds one free and does not queue. Each request
     is a new prompt (one turn, no system prompt to share): no replica holds it, so
-    none may take it over the cap (router/slots.py), and the reserve alone frees a slot."""
+    none may take it over the cap (router/fair/slots.py), and the reserve alone frees a slot."""
     light = ChatConfig(
         tenants="a=1,b=1,noisy=12", session_rate=0.5, num_sessions=20, num_apps=1,
         system_prompt_tokens=8, max_turns=1, reply_tokens=600,

@@ -3,12 +3,13 @@
 import numpy as np
 
 from replica.api import stats as codec
-from router.accounting import Accounting
-from router.admission import AdmissionQueue
-from router.backends import Backend
 from router.config import GatewayConfig
-from router.metrics import GatewayMetrics
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fair.admission import AdmissionQueue
+from router.fleet.backends import Backend
+from router.http.metrics import GatewayMetrics
+from router.path.accounting import Accounting
+from router.policies import PolicyConfig, make_policy
 from router.stats import GatewayStats, PolicyCounts
 from tests.shared import FakeClock
 

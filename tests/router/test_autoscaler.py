@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
+from router.fleet.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
 from tests.router.test_policies import dispatch, fleet, policy, request
 from tests.shared import FakeClock, prompt
 

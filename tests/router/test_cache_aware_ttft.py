@@ -7,8 +7,9 @@ from loadtest.replay import ReplayConfig
 from replica.api.cost_model import PROFILES
 from replica.engine import Engine, EngineConfig
 from replica.sequence import EngineRequest
-from router import load
-from router.policies import PolicyConfig, ReplicaState, make_policy
+from router.core import ReplicaState
+from router.fleet import load
+from router.policies import PolicyConfig, make_policy
 from tests.router.test_policies import fleet, request
 from tests.shared import FakeClock, prompt
 

@@ -8,8 +8,9 @@ import pytest
 from deploy.processes import running
 from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
-from router.cache_budget import within_budget
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fair.cache_budget import within_budget
+from router.policies import PolicyConfig, make_policy
 from tests.shared import FakeClock, prompt, wait_until_checked, wait_until_indexed
 
 BLOCK, CAPACITY = 16, 1000

@@ -6,7 +6,7 @@ import numpy as np
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.engine import Engine, EngineConfig, EngineRequest
-from router.event_keys import EventKeys
+from router.index.event_keys import EventKeys
 from tests.shared import prompt
 
 BLOCK, STRIDE = 16, 4

@@ -11,11 +11,11 @@ import pytest
 
 from deploy.processes import running
 from replica.api import stats as stats_codec
-from router.admission import AdmissionQueue
-from router.fairness import FairShare
-from router.policies import RoutingRequest
+from router.core import RoutingRequest
+from router.fair.admission import AdmissionQueue
+from router.fair.fairness import FairShare
+from router.fair.tenants import ApiKeys, Tenant
 from router.stats import GatewayStats
-from router.tenants import ApiKeys, Tenant
 
 
 async def served_order(queue: AdmissionQueue, arrivals: list[tuple[str | None, int]]) -> list[int]:

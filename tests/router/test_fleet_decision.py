@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.stats import LoadReport
-from router import load
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fleet import load
+from router.policies import PolicyConfig, make_policy
 from tests.shared import FakeClock, prompt
 
 SEED = identity_seed(DEFAULT_MODEL)

@@ -118,7 +118,7 @@ def test_every_prediction_is_the_cached_prefix_the_replica_then_reports(fleet):
 
 def test_a_long_conversations_turns_keep_their_keys_and_predict_exactly(fleet):
     """A 5,000-token conversation, turn after turn: the gateway hashes each turn's new
-    tokens only (router/key_cache.py), and still predicts exactly what is cached."""
+    tokens only (router/index/key_cache.py), and still predicts exactly what is cached."""
     url, _ = fleet
     before = gateway_stats(url).key_cache
     messages = [{"role": "system", "content": "A long shared history of this chat. " * 560}]
@@ -282,15 +282,12 @@ def test_a_session_key_sends_every_turn_where_rendezvous_hashing_of_it_says(flee
 
 
 def test_the_session_key_is_read_where_the_gateway_is_told():
-    from starlette.requests import Request
+    from router.path.envelope import Envelope
+    from router.path.resolve import session_key
 
-    from router.app import _session_key
-    from router.intake import Envelope
-
-    request = Request({"type": "http", "headers": [(b"x-session-id", b"abc")]})
-    envelope = Envelope.of({"prompt": "hi", "user": "alice"})
-    assert _session_key(request, envelope, "x-session-id") == "abc"
-    assert _session_key(request, envelope, "user") == "alice"
-    assert _session_key(request, envelope, "x-other") is None
-    assert _session_key(request, envelope, "") is None
-    assert _session_key(request, Envelope.of({"user": 3}), "user") is None
+    envelope = Envelope.of({"prompt": "hi", "user": "alice"}, headers={"x-session-id": "abc"})
+    assert session_key(envelope, "x-session-id") == "abc"
+    assert session_key(envelope, "user") == "alice"
+    assert session_key(envelope, "x-other") is None
+    assert session_key(envelope, "") is None
+    assert session_key(Envelope.of({"user": 3}), "user") is None

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from router.hot_prefixes import HotPrefixes
+from router.index.hot_prefixes import HotPrefixes
 from tests.shared import prompt
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from deploy.processes import running
-from router.http_client import Client, Timeouts, UpstreamError
+from router.fleet.http_client import Client, Timeouts, UpstreamError
 
 # ignore_eos: the simulated model may end a reply early, like a real one
 BODY = json.dumps({"prompt": "a short question", "max_tokens": 2, "ignore_eos": True}).encode()

@@ -5,7 +5,7 @@ its bound."""
 import numpy as np
 
 from replica.api.identity import identity_seed, prefix_keys
-from router.key_cache import HEAD_TOKENS, PrefixKeyCache
+from router.index.key_cache import HEAD_TOKENS, PrefixKeyCache
 from tests.shared import prompt
 
 BLOCK, STRIDE = 16, 4

@@ -15,8 +15,8 @@ from deploy.processes import free_port, running
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
-from router.kv_subscriber import KVStreams, StreamState
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.index.kv_subscriber import KVStreams, StreamState
+from router.index.prefix_index import IndexConfig, PrefixIndex
 from tests.shared import FakeClock, gateway_stats, replica_stats, wait_for
 
 # ----------------------------------------------------------------- every encoding

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.latency import LatencyHistogram, difference, percentile, quantile
+from router.path.latency import LatencyHistogram, difference, percentile, quantile
 
 
 def test_observations_fall_in_their_bucket_and_quantiles_interpolate():

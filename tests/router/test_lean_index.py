@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import lean_index
-from router.lean_index import CPU_TIER, GPU_TIER, PyBlockTable, PyKeySets
+from router.index import lean_index
+from router.index.lean_index import CPU_TIER, GPU_TIER, PyBlockTable, PyKeySets
 
 BLOCK_BYTES = 16 * 4
 
@@ -103,7 +103,7 @@ def test_an_index_on_the_python_twins_predicts_as_one_on_the_packed_tables(monke
     """Where no compiler built the tables, the index runs on the twins: same answers."""
     from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
     from replica.engine import Engine, EngineConfig, EngineRequest
-    from router import event_keys, prefix_index
+    from router.index import event_keys, prefix_index
     from tests.shared import prompt
 
     rng = np.random.default_rng(3)

@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from router import load
-from router.policies import PolicyConfig, ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fleet import load
+from router.policies import PolicyConfig, make_policy
 from tests.shared import FakeClock
 
 

@@ -11,9 +11,10 @@ import pytest
 from deploy.processes import running
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
-from router.event_keys import EventKeys
-from router.models import ModelRoutes, ServedName
-from router.policies import ReplicaState, RoutingRequest, make_policy
+from router.core import ReplicaState, RoutingRequest
+from router.fleet.models import ModelRoutes, ServedName
+from router.index.event_keys import EventKeys
+from router.policies import make_policy
 from tests.shared import gateway_stats, prompt
 
 SYSTEM = "You answer questions about the fleet. " * 40

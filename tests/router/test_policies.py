@@ -7,14 +7,9 @@ import pytest
 
 from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
-from router import load
-from router.policies import (
-    POLICIES,
-    PolicyConfig,
-    ReplicaState,
-    RoutingRequest,
-    make_policy,
-)
+from router.core import ReplicaState, RoutingRequest
+from router.fleet import load
+from router.policies import POLICIES, PolicyConfig, make_policy
 from tests.shared import FakeClock, prompt
 
 SEED = identity_seed(DEFAULT_MODEL)

@@ -7,8 +7,8 @@ from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, pre
 from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
 from replica.sequence import EngineRequest
-from router.lean_index import KeySets
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.index.lean_index import KeySets
+from router.index.prefix_index import IndexConfig, PrefixIndex
 from tests.shared import FakeClock, prompt
 
 BLOCK, STRIDE = 16, 4
@@ -209,7 +209,7 @@ def test_both_tiers_match_a_plain_scan_on_a_large_fleet():
 
 
 def test_popularity_counts_recent_requests_per_prefix_and_forgets_by_halving():
-    from router.prefix_index import PrefixPopularity
+    from router.index.prefix_index import PrefixPopularity
 
     popularity = PrefixPopularity(half_life_requests=100)
     shared = [1, 2, 3]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router import load
-from router.policies import ReplicaState, RoutingRequest
+from router.core import ReplicaState, RoutingRequest
+from router.fleet import load
 from router.policies.baselines import rendezvous_order
 from router.policies.replicated import CacheAwareReplicated, HotSets
 from tests.router.test_policies import fleet, policy, request
@@ -85,5 +85,9 @@ def test_a_hot_prompt_spreads_over_its_set_and_every_router_picks_the_same_one()
             if r.replica_id != hot_set.replicas[0]
         ][:4]
     )
-    # and a policy that does not replicate keeps no sets
-    assert not hasattr(policy("cache_aware"), "hot_sets")
+    # the sets as the Policy protocol tells them: a prompt's popular part spreads
+    # over its set, and a policy that does not replicate keeps no sets
+    hot_prompt = request(np.concatenate([prompt(1_024), prompt(64, start=7)]), "hot").stride_hashes
+    assert pol.spread_over(hot_prompt) == list(pol.hot_sets()[0].replicas)
+    plain = policy("cache_aware")
+    assert plain.hot_sets() == [] and plain.spread_over(hot_prompt) == []

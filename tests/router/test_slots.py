@@ -11,10 +11,10 @@ import pytest
 
 from deploy.processes import running
 from replica.api import stats as stats_codec
-from router import load
-from router.fairness import FairShare
-from router.policies import ReplicaState, RoutingRequest
-from router.slots import with_free_slot
+from router.core import ReplicaState, RoutingRequest
+from router.fair.fairness import FairShare
+from router.fair.slots import with_free_slot
+from router.fleet import load
 from router.stats import GatewayStats
 from tests.router.test_policies import dispatch, fleet, policy, request
 from tests.shared import prompt

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
+from router.fair.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
 from tests.shared import replica_stats, wait_until_indexed
 
 SYSTEM = "You are the assistant of a bank; account numbers follow. " * 40

@@ -10,8 +10,8 @@ from replica.api import stats as codec
 from replica.api.config import ReplicaConfig
 from replica.api.stats import CacheFigures, ReplicaStats
 from router.config import GatewayConfig
+from router.index.prefix_index import IndexConfig
 from router.policies import PolicyConfig
-from router.prefix_index import IndexConfig
 from router.stats import BackendStats, GatewayStats, PolicyCounts, TenantStats
 
 counts = st.integers(0, 2**40)

@@ -3,8 +3,14 @@
 import pytest
 
 from router.config import DashboardConfig
-from router.dashboard.history import History, PolicySample, ReplicaSample, Sample, replica_rates
-from router.latency import TTFT_BUCKETS
+from router.http.dashboard.history import (
+    History,
+    PolicySample,
+    ReplicaSample,
+    Sample,
+    replica_rates,
+)
+from router.path.latency import TTFT_BUCKETS
 
 CONFIG = DashboardConfig(dashboard_sample_s=1.0, dashboard_history_s=10.0, dashboard_window_s=4.0)
 NO_TTFT = (0,) * (len(TTFT_BUCKETS) + 1)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from router.policies import RoutingRequest
+    from router.core import RoutingRequest
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ A block also remembers the salt its prompt was seeded with (the root block's eve
 carries it; a gateway with API keys salts each tenant's prompts), so the blocks each
 salt holds on the GPU are counted: a tenant's footprint in the replica's cache.
 
-The blocks live in a packed table (``router/lean_index.py``): 21 bytes a slot.
+The blocks live in a packed table (``router/index/lean_index.py``): 21 bytes a slot.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import Counter
 from replica.api.identity import identity_seed
 from replica.api.kv_events import KVEvent, Medium
 from replica.api.tokenizer import TOKEN_DTYPE
-from router.lean_index import CPU_TIER, GPU_TIER, BlockTable
+from router.index.lean_index import CPU_TIER, GPU_TIER, BlockTable
 
 #: The tiers a block may be held in, as bits of its flags.
 TIER_BITS: dict[Medium, int] = {"GPU": GPU_TIER, "CPU": CPU_TIER}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -14,9 +14,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from router.accounting import Accounting, RequestCounts
-from router.admission import AdmissionQueue
-from router.backends import BackendPool
+from router.fair.admission import AdmissionQueue
+from router.fleet.backends import BackendPool
+from router.path.accounting import Accounting, RequestCounts
+from router.path.latency import LatencyHistogram
 from router.stats import PolicyCounts
 
 #: ``prefix_router_*`` families per (replica, policy), each read from ``PolicyCounts``.
@@ -63,12 +64,6 @@ class GatewayMetrics:
         self.tenant_registry = CollectorRegistry()
         self.tenant_registry.register(TenantMetrics(accounting, footprint))
         ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
-        self.overhead = Histogram(
-            "prefix_router_gateway_overhead_seconds",
-            "Time from receiving a request to sending it upstream.",
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
-            registry=self.registry,
-        )
 
     def render(self, tenants: bool = True) -> bytes:
         """The exposition text; the ``prefix_router_tenant_*`` families with ``tenants``."""
@@ -155,10 +150,22 @@ class GatewayMetrics:
             labels=["policy"],
         )
         for policy, histogram in self._accounting.ttft.items():
-            cumulative = list(itertools.accumulate(histogram.counts))
-            bounds = [*map(str, histogram.bounds), "+Inf"]
-            ttft.add_metric([policy], list(zip(bounds, cumulative, strict=True)), histogram.sum_s)
+            ttft.add_metric([policy], _buckets(histogram), histogram.sum_s)
         yield ttft
+        overhead = HistogramMetricFamily(
+            "prefix_router_gateway_overhead_seconds",
+            "Time from receiving a request to sending it upstream.",
+        )
+        histogram = self._accounting.overhead
+        overhead.add_metric([], _buckets(histogram), histogram.sum_s)
+        yield overhead
+
+
+def _buckets(histogram: LatencyHistogram) -> list[tuple[str, float]]:
+    """Prometheus's cumulative buckets of one of the gateway's histograms."""
+    cumulative = itertools.accumulate(histogram.counts)
+    bounds = [*map(str, histogram.bounds), "+Inf"]
+    return list(zip(bounds, cumulative, strict=True))
 
 
 def _request_families(label: str, counts_by: Mapping[str, RequestCounts]) -> Iterable[Metric]:

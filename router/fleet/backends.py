@@ -7,7 +7,7 @@ learns what the backend is (its :class:`~replica.api.card.EngineCard`: given by 
 Ray actor, else read from our ``/stats`` or vLLM's ``/metrics``), follows its KV
 events (pushed on ZMQ in vLLM's format: where, its card says, or the flag that added
 it; else polled at ``/kv_events``; else none, and only ``/health`` is probed), and
-checks that the backend caches as the router hashes (``router/backend_check.py``):
+checks that the backend caches as the router hashes (``router/fleet/backend_check.py``):
 until the check fails, its events are trusted; after, it is routed approximately.
 Backends can be added and removed while the gateway serves.
 """
@@ -29,10 +29,10 @@ from replica.api import stats as stats_codec
 from replica.api.card import EngineCard, sim_card, vllm_card
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from replica.api.stats import KVEventsEndpoint, ReplicaStats
-from router import load
-from router.backend_check import BackendCheck, CanaryWatch, Verdict
-from router.kv_subscriber import KVStreams, StreamState
-from router.policies import ReplicaState
+from router.core import ReplicaState
+from router.fleet import load
+from router.fleet.backend_check import BackendCheck, CanaryWatch, Verdict
+from router.index.kv_subscriber import KVStreams, StreamState
 
 #: How the router knows a backend's cache: from its events once they are checked
 #: (``checking`` trusts them meanwhile), or from its own decisions (``approximate``).

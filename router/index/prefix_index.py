@@ -5,7 +5,7 @@ holds, in one pass over the prompt's keys, stopping as soon as no replica matche
 Keys are the router's own (``replica.api.identity.prefix_keys``): a chained hash
 over every ``stride``-th block boundary, so matches are counted in steps of
 ``stride`` blocks; the replicas' events are turned into the same keys from the
-tokens they carry (``router/event_keys.py``).
+tokens they carry (``router/index/event_keys.py``).
 
 Two sources of knowledge, each a :class:`ReplicaSets`:
 
@@ -21,7 +21,7 @@ Two sources of knowledge, each a :class:`ReplicaSets`:
   GPU a replica holds a prompt in host memory.
 
 A precise index may hold some replicas approximately: those whose events cannot be
-trusted (another block size, another tokenizer: see ``router/backend_check.py``).
+trusted (another block size, another tokenizer: see ``router/fleet/backend_check.py``).
 Their events are ignored and their decisions kept as in approximate mode, so they are
 routed on what the router sent them rather than blind.
 
@@ -38,8 +38,8 @@ from typing import Literal
 
 from replica.api.identity import DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
-from router.event_keys import EventKeys
-from router.lean_index import KeySets
+from router.index.event_keys import EventKeys
+from router.index.lean_index import KeySets
 
 IndexMode = Literal["approximate", "precise"]
 _NOBODY: dict[int, int] = {}
@@ -176,7 +176,7 @@ class PrefixIndex:
         precise = config.mode == "precise"
         self._routed_ttl_s = config.recent_s if precise else config.ttl_s
         self.routed = ReplicaSets(clock)
-        # What the events say, packed (router/lean_index.py): a key per stride block of
+        # What the events say, packed (router/index/lean_index.py): a key per stride block of
         # every replica's cache, a thousand replicas' worth.
         self.stored = KeySets() if precise else None
         self.host = KeySets() if precise else None
@@ -246,7 +246,7 @@ class PrefixIndex:
 
     def gpu_blocks_of(self, replica_id: str, salts: Iterable[str | None]) -> int:
         """Precise mode: the blocks a replica's GPU holds under any of ``salts`` (a
-        tenant's, for its cache budget: router/cache_budget.py)."""
+        tenant's, for its cache budget: router/fair/cache_budget.py)."""
         keys = self._precise_keys(replica_id)
         counts = keys.gpu_blocks_by_salt if keys else {}
         return sum(counts.get(salt, 0) for salt in salts)
@@ -254,7 +254,7 @@ class PrefixIndex:
     def exclusive_keys(self, replica_id: str) -> list[int]:
         """The stride keys that this replica alone holds on its GPU, as far as the
         index knows (its events, or the router's recent decisions): what the fleet's
-        caches lose when it stops (router/autoscaler.py). A pass over its keys."""
+        caches lose when it stops (router/fleet/autoscaler.py). A pass over its keys."""
         bit = self._bits.get(replica_id)
         if bit is None:
             return []
@@ -376,7 +376,7 @@ class PrefixIndex:
         """Precise mode: mirror a replica's stored / removed / cleared blocks. A block
         removed from the GPU is no longer assumed there from a recent decision either:
         the removal is the newer news. Returns how many stored blocks could not be
-        keyed (see ``router/event_keys.py``)."""
+        keyed (see ``router/index/event_keys.py``)."""
         bit = self._bits.get(replica_id)
         if bit is None or self.stored is None or self.host is None:
             return 0

@@ -1,9 +1,9 @@
 """The gateway's HTTP face: the OpenAI API in front of a fleet, and its admin endpoints.
 
-Each completion request is read (413 beyond the limits; see ``router/intake.py`` for
+Each completion request is read (413 beyond the limits; see ``router/path/envelope.py`` for
 how little the gateway checks), authenticated (its tenant's salt seeds its block
 identities), tokenized with the replicas' tokenizer and chat template, and handed to
-the request path (``router/upstream.py``). Handlers find the gateway in
+the request path (``router/path/upstream.py``). Handlers find the gateway in
 ``request.app.state``; the app's lifespan owns the pooled HTTP client, the backends'
 watchers and Ray discovery.
 """
@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -29,18 +28,15 @@ from starlette.types import Receive, Scope, Send
 from replica.api import openai as api
 from replica.api import stats as stats_codec
 from replica.api.stats import KVEventsEndpoint
-from router.backends import follow_ray_replicas, parse_backend, sync_ray_replicas
 from router.config import GatewayConfig
-from router.dashboard import STATIC
-from router.dashboard.history import History
-from router.dashboard.view import build, replica_figures
-from router.fairness import PRIORITY_HEADER, priority_rank
+from router.fair.tenants import ApiKeys, Unauthorized
+from router.fleet.backends import follow_ray_replicas, parse_backend, sync_ray_replicas
 from router.gateway import Gateway
-from router.http_client import Client, Timeouts
-from router.intake import Envelope, check_length, read_envelope, request_prompts
-from router.policies import POLICIES, RoutingRequest
-from router.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
-from router.upstream import Upstream
+from router.http.dashboard import STATIC
+from router.http.dashboard.history import History
+from router.http.dashboard.view import build, replica_figures
+from router.http.metrics import GatewayMetrics
+from router.policies import POLICIES
 
 #: The longest a gateway that follows Ray's replicas waits, before it serves, for their
 #: replay buffers to be in its index (a replay is a ZMQ round trip per replica).
@@ -76,8 +72,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _client(config) as client:
-            gateway = app.state.gateway = Gateway(config, client)
-            upstream = app.state.upstream = Upstream(gateway, Client(_timeouts(config)))
+            gateway = app.state.gateway = Gateway(config, client, keys)
+            app.state.metrics = GatewayMetrics(
+                gateway.accounting, gateway.pool, gateway.queue, gateway.tenant_footprint
+            )
             for spec in backends:
                 url, kv_endpoint = parse_backend(spec)
                 gateway.pool.add(url, kv_endpoint=kv_endpoint)
@@ -91,7 +89,7 @@ def create_app(
             if follower is not None:
                 follower.cancel()
             await gateway.pool.close()
-            upstream.client.close()
+            gateway.upstream.close()
 
     app = GatewayApp(title="prefix-router gateway", lifespan=lifespan)
     app.state.config, app.state.keys = config, keys
@@ -130,15 +128,6 @@ class GatewayApp(FastAPI):
         await response(scope, receive, send)
 
 
-def _timeouts(config: GatewayConfig) -> Timeouts:
-    """The request path's timeouts (see ``router/http_client.py``)."""
-    return Timeouts(
-        config.upstream_connect_timeout_s,
-        config.upstream_read_timeout_s,
-        config.upstream_timeout_s,
-    )
-
-
 def _client(config: GatewayConfig) -> aiohttp.ClientSession:
     """One pooled session for the backends' health, statistics and events."""
     timeout = aiohttp.ClientTimeout(
@@ -174,84 +163,12 @@ async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
 # ----------------------------------------------------------------- the OpenAI API
 
 
-def _tenant_routing(
-    request: Request, envelope: Envelope, prompt: np.ndarray | None
-) -> tuple[RoutingRequest, dict[str, Any]]:
-    """Authenticate, and seed the request's identities with its tenant's salt, in the
-    gateway and (through the ``cache_salt`` field forwarded) in the replica. A prompt
-    the gateway cannot read is routed by load alone."""
-    keys: ApiKeys = request.app.state.keys
-    tenant = keys.tenant(request.headers.get("authorization"))
-    name = tenant.name if tenant else None
-    salt = tenant_salt(name, envelope.cache_salt)
-    fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}
-    gateway = _gateway(request)
-    served = gateway.resolve(envelope.body.get("model"))
-    if prompt is None:
-        gateway.accounting.unread_prompts += 1
-        routing = RoutingRequest(api.new_id("route"), 0, tenant=name, model=served.model,
-                                 adapter=served.adapter)  # fmt: skip
-        _classify(routing, request, tenant)
-        return routing, fields
-    routing = gateway.routing_request(prompt, salt, name, served)
-    _classify(routing, request, tenant)
-    routing.session = _session_key(request, envelope, gateway.config.session_key)
-    gateway.accounting.session_requests += routing.session is not None
-    return routing, fields
-
-
-def _classify(routing: RoutingRequest, request: Request, tenant: Tenant | None) -> None:
-    """What the tenant's key says of the request: its class, weight and cache budget."""
-    routing.priority = _priority(request, tenant)
-    if tenant is not None:
-        routing.weight, routing.cache_budget = tenant.weight, tenant.cache_budget
-
-
-def _priority(request: Request, tenant: Tenant | None) -> int:
-    """The request class's rank: the ``x-priority`` header's, never more urgent than
-    the key's class."""
-    floor = priority_rank(tenant.priority) if tenant else 0
-    asked = request.headers.get(PRIORITY_HEADER)
-    if asked is None:
-        return floor
-    try:
-        return max(priority_rank(asked.strip().lower()), floor)
-    except ValueError as error:
-        raise api.Rejected(str(error), 400, PRIORITY_HEADER) from None
-
-
-def _session_key(request: Request, envelope: Envelope, source: str) -> str | None:
-    """The client's session key, read where ``--session-key`` says (``None``: none)."""
-    if not source:
-        return None
-    if source == "user":
-        key = envelope.body.get("user")
-        key = key if isinstance(key, str) else None
-    else:
-        key = request.headers.get(source)
-    return key or None
-
-
-async def _route(request: Request, path: str, chat: bool) -> Response:
-    received = time.perf_counter()
-    config: GatewayConfig = request.app.state.config
-    raw, envelope = await read_envelope(request, config)
-    prompts = request_prompts(envelope.body, chat, _gateway(request).tokenizer)
-    if prompts is not None:
-        check_length(prompts, config.max_prompt_tokens, "messages" if chat else "prompt")
-    routing, fields = _tenant_routing(request, envelope, prompts[0] if prompts else None)
-    upstream: Upstream = request.app.state.upstream
-    return await upstream.forward(
-        path, raw, routing, envelope.stream, envelope.include_usage, received, fields
-    )
-
-
 async def completions(request: Request) -> Response:
-    return await _route(request, "/v1/completions", chat=False)
+    return await _gateway(request).handle(request, "/v1/completions", chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _route(request, "/v1/chat/completions", chat=True)
+    return await _gateway(request).handle(request, "/v1/chat/completions", chat=True)
 
 
 HOT_PATHS: dict[str, Callable[[Request], Awaitable[Response]]] = {
@@ -301,7 +218,8 @@ async def health(request: Request) -> Response:
 
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = _gateway(request).metrics.render(tenants=_sees_tenants(request))
+    metrics: GatewayMetrics = request.app.state.metrics
+    body = metrics.render(tenants=_sees_tenants(request))
     return Response(body, media_type="text/plain; version=0.0.4")
 
 

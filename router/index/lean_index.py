@@ -12,7 +12,7 @@ key: 376 bytes a block before these tables). So the precise index keeps:
   interned bitmask (a prefix held by the same replicas shares one Python int): 12 bytes
   a slot.
 
-Both are C tables (``router/_lean_index.c``) where a compiler built them; the classes
+Both are C tables (``router/index/_lean_index.c``) where a compiler built them; the classes
 below are their Python twins, the reference they must equal operation by operation
 (tests/router/test_lean_index.py), and what runs where no compiler did: the same
 answers, in the memory of Python's dicts.
@@ -198,6 +198,6 @@ class PyKeySets:
 
 
 try:  # the packed tables, where a compiler built them (pyproject.toml)
-    from router._lean_index import BlockTable, KeySets
+    from router.index._lean_index import BlockTable, KeySets
 except ImportError:  # pragma: no cover - the same answers, from the twins above
     BlockTable, KeySets = PyBlockTable, PyKeySets  # type: ignore[misc, assignment]

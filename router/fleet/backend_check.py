@@ -12,7 +12,7 @@ joining backend is checked, in this order, stopping at the first disagreement:
    completion prompt and of a canary conversation, against the gateway's own tokens;
 3. **events**: a canary prompt, fresh (it opens with a random nonce), is sent to the
    backend alone; the ``BlockStored`` events it causes must key
-   (``router/event_keys.py``) to the router's identities of that prompt.
+   (``router/index/event_keys.py``) to the router's identities of that prompt.
 
 A backend that passes is routed precisely. One that fails is routed approximately
 (from the router's own decisions, its events ignored), never blind, and the verdict
@@ -36,7 +36,7 @@ from replica.api.card import EngineCard
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE, WORDS, Message, Tokenizer
-from router.event_keys import EventKeys
+from router.index.event_keys import EventKeys
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from replica.api.kv_events import KVEvent
-from router.policies import Policy, ReplicaState
+from router.core import ReplicaState
+from router.policies import Policy
 
 
 @dataclass(frozen=True)

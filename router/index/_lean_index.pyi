@@ -1,4 +1,4 @@
-# The C module's signatures (router/_lean_index.c); router/lean_index.py has their twins.
+# The C module's signatures (_lean_index.c); router/index/lean_index.py has their twins.
 from collections.abc import Sequence
 
 class BlockTable:

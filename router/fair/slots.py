@@ -2,8 +2,8 @@
 home.
 
 A gateway gives each replica at most ``max_outstanding`` requests at a time; the rest
-wait in its queue (router/admission.py), and the replayer's routers do the same.
-With tenants, who may take a slot depends on their share (router/fairness.py):
+wait in its queue (router/fair/admission.py), and the replayer's routers do the same.
+With tenants, who may take a slot depends on their share (router/fair/fairness.py):
 
 - A tenant **beyond its share** fills a replica only up to the cap less the
   ``reserve``: the reserved slots stay free for lighter tenants, so that their
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from router.fairness import FairShare
-from router.policies import ReplicaState, RoutingRequest
+from router.core import ReplicaState, RoutingRequest
+from router.fair.fairness import FairShare
 
 
 def with_free_slot(

@@ -17,8 +17,10 @@ import aiohttp
 
 from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
-from router.backends import Backend
-from router.dashboard.history import (
+from router.core import ReplicaState
+from router.fleet.backends import Backend
+from router.gateway import Gateway
+from router.http.dashboard.history import (
     History,
     Point,
     PolicySample,
@@ -27,13 +29,9 @@ from router.dashboard.history import (
     Sample,
     replica_rates,
 )
-from router.gateway import Gateway
-from router.hot_prefixes import HotPrefix
-from router.latency import TTFT_BUCKETS
-from router.policies import ReplicaState
-from router.policies.indexed import IndexedPolicy
-from router.policies.replicated import CacheAwareReplicated
-from router.prefix_index import PrefixIndex
+from router.index.hot_prefixes import HotPrefix
+from router.index.prefix_index import PrefixIndex
+from router.path.latency import TTFT_BUCKETS
 from router.stats import BackendStats, GatewayStats, PolicyCounts
 
 
@@ -264,7 +262,7 @@ def _replica_view(
     rates = replica_rates(now.replicas[name], start.replicas.get(name) if start else None, seconds)
     cache = own.cache if own else None
     policy = gateway.models.policy(backend.model)
-    index = policy.index if isinstance(policy, IndexedPolicy) else None
+    index = policy.prefix_index()
     loaded = state.loaded_adapters if state else None
     return ReplicaView(
         name, backend.url, backend.healthy, backend.dispatched,
@@ -343,7 +341,8 @@ def _policy_views(
 
 def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPrefixView]:
     # identities are seeded per model: a prefix is held only in its model's index
-    indexes = [p.index for p in gateway.models.policies.values() if isinstance(p, IndexedPolicy)]
+    policies = gateway.models.policies.values()
+    indexes = [index for p in policies if (index := p.prefix_index()) is not None]
     stride = gateway.config.routing.stride_tokens
     views = []
     for prefix in gateway.hot_prefixes.top(count):
@@ -360,11 +359,9 @@ def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPref
 def _set_of(gateway: Gateway, prefix: HotPrefix) -> list[str] | None:
     """The replication set of the prompt's popular part, where a policy keeps one."""
     for policy in gateway.models.policies.values():
-        if isinstance(policy, CacheAwareReplicated):
-            key = policy.hot_key(prefix.stride_hashes)
-            members = policy.members(key) if key is not None else []
-            if members:
-                return [r.replica_id for r in members]
+        members = policy.spread_over(prefix.stride_hashes)
+        if members:
+            return members
     return None
 
 

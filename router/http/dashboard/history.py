@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.config import DashboardConfig
-from router.latency import TTFT_BUCKETS, difference, quantile
+from router.path.latency import TTFT_BUCKETS, difference, quantile
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ and in the replicas are seeded by it, so two tenants never share a block.
 Keys come from a file (one ``KEY TENANT [admin] [weight=W] [class=batch] [budget=F]``
 per line, ``#`` comments) and from the environment
 (``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin:weight=2"``). A tenant's weight
-and request class order the gateway's queue when the fleet is full (router/fairness.py);
+and request class order the gateway's queue when the fleet is full (router/fair/fairness.py);
 its budget, a fraction of each replica's GPU blocks, bounds where its new prefixes are
-computed (router/cache_budget.py). Only
+computed (router/fair/cache_budget.py). Only
 their SHA-256 digests are kept, so a lookup's timing says nothing about a key's
 bytes. No keys configured: authentication is off and every request is tenant-less.
 """
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.fairness import PRIORITIES, priority_rank
+from router.fair.fairness import PRIORITIES, priority_rank
 
 ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
 
@@ -33,13 +33,13 @@ ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
 class Tenant:
     name: str
     admin: bool = False
-    #: Its share of a saturated fleet against other tenants' (router/fairness.py).
+    #: Its share of a saturated fleet against other tenants' (router/fair/fairness.py).
     weight: float = 1.0
     #: Its requests' class: ``interactive`` or ``batch`` (a request may ask for a
     #: less urgent class than its key's, never a more urgent one).
     priority: str = "interactive"
     #: The fraction of any replica's GPU blocks it should hold at most (``None``: no
-    #: budget): see router/cache_budget.py.
+    #: budget): see router/fair/cache_budget.py.
     cache_budget: float | None = None
 
 
@@ -102,6 +102,28 @@ def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
         return cache_salt
     spelled = f"{len(tenant)}:{tenant}:{cache_salt or ''}"
     return "tenant-" + hashlib.sha256(spelled.encode()).hexdigest()
+
+
+class SaltBook:
+    """Which tenant each cache salt seen belongs to, and each tenant's salts: blocks in
+    the index carry the salt only (a tenant's cache budget and its footprint count
+    them). Bounded: salts a tenant's own ``cache_salt`` spells are unbounded."""
+
+    def __init__(self, max_salts: int = 65_536) -> None:
+        self.max_salts = max_salts
+        self._tenant: dict[str, str] = {}
+        self._salts: dict[str, set[str]] = {}
+
+    def learn(self, salt: str, tenant: str) -> None:
+        if salt not in self._tenant and len(self._tenant) < self.max_salts:
+            self._tenant[salt] = tenant
+            self._salts.setdefault(tenant, set()).add(salt)
+
+    def tenant_of(self, salt: str | None) -> str | None:
+        return self._tenant.get(salt) if salt is not None else None
+
+    def salts_of(self, tenant: str) -> Collection[str]:
+        return self._salts.get(tenant, ())
 
 
 USAGE = "KEY TENANT [admin] [weight=W] [class=interactive|batch] [budget=F, 0 < F <= 1]"

@@ -17,7 +17,8 @@ milliseconds; a skew only moves which requests count twice or not at all for the
 from __future__ import annotations
 
 from replica.api.stats import LoadReport
-from router.policies import Policy, ReplicaState, RoutingRequest
+from router.core import ReplicaState, RoutingRequest
+from router.policies import Policy
 
 
 def dispatched(

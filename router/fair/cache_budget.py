@@ -17,7 +17,7 @@ tenant is steered:
 
 The policy still chooses among what is left, by its own costs. A tenant's blocks per
 replica are those the precise index counts from the replicas' events under the
-tenant's cache salts (``router/event_keys.py``); a replica known from decisions alone,
+tenant's cache salts (``router/index/event_keys.py``); a replica known from decisions alone,
 or of unknown capacity, is never excluded. The budget is soft: the count trails the
 events, and a hit on an over-budget replica is allowed.
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from router.policies.base import Policy, ReplicaState, RoutingRequest
-from router.policies.indexed import IndexedPolicy
+from router.core import ReplicaState, RoutingRequest
+from router.policies import Policy
 
 
 def within_budget(
@@ -38,10 +38,9 @@ def within_budget(
 ) -> Sequence[ReplicaState]:
     """The candidates a request of a tenant with ``request.cache_budget`` may go to;
     ``salts``: the tenant's cache salts (its blocks are counted under them)."""
-    budget = request.cache_budget
-    if budget is None or not isinstance(policy, IndexedPolicy) or len(candidates) < 2:
+    budget, index = request.cache_budget, policy.prefix_index()
+    if budget is None or index is None or len(candidates) < 2:
         return candidates
-    index = policy.index
     held = {r.replica_id: index.gpu_blocks_of(r.replica_id, salts) for r in candidates}
     over = {  # a replica not known from its events holds nothing counted: never over
         r.replica_id

@@ -1,4 +1,4 @@
-/* The precise index's two big tables, packed (router/lean_index.py says what they
+/* The precise index's two big tables, packed (router/index/lean_index.py says what they
  * hold and why; its Python twins are what these must equal, and
  * tests/router/test_lean_index.py checks that they do, operation by operation):
  *
@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../replica/api/chain_key.h"
+#include "../../replica/api/chain_key.h"
 
 #define MAX_LOAD_NUM 4 /* grow past 4/5 full */
 #define MAX_LOAD_DEN 5
@@ -348,10 +348,10 @@ static PyGetSetDef BlockTable_getset[] = {
 static PySequenceMethods BlockTable_as_sequence = {.sq_length = (lenfunc)BlockTable_len};
 
 static PyTypeObject BlockTableType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._lean_index.BlockTable",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router.index._lean_index.BlockTable",
     .tp_basicsize = sizeof(BlockTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "engine block hash -> chain link, salt, phase and tiers (router/lean_index.py)",
+    .tp_doc = "engine block hash -> chain link, salt, phase and tiers (router/index/lean_index.py)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)BlockTable_init,
     .tp_dealloc = (destructor)BlockTable_dealloc,
@@ -811,10 +811,10 @@ static PyGetSetDef KeySets_getset[] = {
 static PySequenceMethods KeySets_as_sequence = {.sq_length = (lenfunc)KeySets_len};
 
 static PyTypeObject KeySetsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._lean_index.KeySets",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router.index._lean_index.KeySets",
     .tp_basicsize = sizeof(KeySets),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "stride key -> bitmask of the replicas holding it (router/lean_index.py)",
+    .tp_doc = "stride key -> bitmask of the replicas holding it (router/index/lean_index.py)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)KeySets_init,
     .tp_dealloc = (destructor)KeySets_dealloc,

@@ -1,4 +1,5 @@
-"""What the gateway reads of a request before routing it, and no more.
+"""Stage 1 of the request path: read the envelope, what the gateway needs of a request
+before routing it, and no more.
 
 The gateway is never stricter than its backends: it refuses only what it cannot
 route (a body over the limits, a body that is not a JSON object, a model no replica
@@ -11,7 +12,9 @@ template; a request whose prompt it cannot read is routed by load alone.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,21 +27,45 @@ from router.config import GatewayConfig
 
 @dataclass(frozen=True)
 class Envelope:
-    """The fields of a request body that the request path needs."""
+    """A request as it came, and the fields of its body that the request path needs."""
 
     body: dict[str, Any]
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    #: The body as the client wrote it (forwarded as it came), the endpoint it was sent
+    #: to, its headers, and when it arrived (``time.perf_counter``).
+    raw: bytes = field(default=b"", repr=False)
+    path: str = "/v1/completions"
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    received: float = 0.0
+    #: The prompt routed by (the first of a batch); ``None`` if it cannot be read.
+    prompt: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> Envelope:
+    def of(cls, body: dict[str, Any], **request: Any) -> Envelope:
+        """The envelope of ``body``; ``request``: the other fields, as they came."""
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         salt = body.get("cache_salt")
-        return cls(
-            body, body.get("stream") is True, include_usage, salt if isinstance(salt, str) else None
-        )
+        stream = body.get("stream") is True
+        return cls(body, stream, include_usage, salt if isinstance(salt, str) else None, **request)
+
+
+async def read(
+    request: Request, path: str, chat: bool, config: GatewayConfig, tokenizer: Tokenizer
+) -> Envelope:
+    """Read a completion request: 413 over the limits, 400 if its body is not a JSON
+    object; its prompt tokenized with the replicas' tokenizer and chat template."""
+    received = time.perf_counter()
+    raw, body = await read_body(request, config)
+    prompts = request_prompts(body, chat, tokenizer)
+    if prompts is not None:
+        check_length(prompts, config.max_prompt_tokens, "messages" if chat else "prompt")
+    prompt = prompts[0] if prompts else None
+    return Envelope.of(
+        body, raw=raw, path=path, headers=request.headers, received=received, prompt=prompt
+    )
 
 
 async def read_capped(request: Request, limit: int) -> bytes:
@@ -54,8 +81,8 @@ async def read_capped(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes, Envelope]:
-    """The raw body (forwarded as it came) and what routing needs of it."""
+async def read_body(request: Request, config: GatewayConfig) -> tuple[bytes, dict[str, Any]]:
+    """The raw body (forwarded as it came) and its JSON object."""
     raw = await read_capped(request, config.max_request_bytes)
     try:
         body = json.loads(raw)
@@ -63,7 +90,7 @@ async def read_envelope(request: Request, config: GatewayConfig) -> tuple[bytes,
         raise api.Rejected(f"invalid JSON: {error}", 400) from None
     if not isinstance(body, dict):
         raise api.Rejected("the request body must be a JSON object", 400)
-    return raw, Envelope.of(body)
+    return raw, body
 
 
 def request_prompts(
@@ -87,3 +114,22 @@ def check_length(prompts: list[np.ndarray], limit: int, field: str) -> None:
             raise api.Rejected(
                 f"{which} is {len(prompt)} tokens, over the limit of {limit}", 413, field
             )
+
+
+def rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:
+    """The body with ``fields`` set, and a streamed answer's usage asked for (it tells
+    the gateway the cached tokens); one rewrite, only when something must change.
+
+    The fields are appended to the object, not merged into a parsed copy: of a JSON
+    object's duplicate keys the last wins (Python's ``json``, with which FastAPI, vLLM
+    and the replica read bodies), and a 100k-token conversation's 400 KB are copied
+    once instead of parsed and printed again (0.05 ms against 2.8).
+    """
+    fields = dict(fields or {})
+    if ask_for_usage:
+        fields["stream_options"] = {"include_usage": True}
+    if not fields:
+        return raw
+    head = raw.rstrip()[:-1].rstrip()  # an object (read_body checked): less its "}"
+    separator = b"" if head.endswith(b"{") else b","
+    return head + separator + json.dumps(fields)[1:-1].encode() + b"}"

@@ -6,7 +6,7 @@ most ``max_queued`` of them and each at most ``timeout_s``; beyond either bound 
 refused at once (429 with ``Retry-After``), so neither the queue nor the memory it
 holds can grow without limit, and the latency of admitted requests stays bounded.
 A freed slot goes to the most urgent request class waiting, then to the tenant that
-has received the least service (router/fairness.py), then first come, first served:
+has received the least service (router/fair/fairness.py), then first come, first served:
 without tenants or classes, a FIFO. A request that could not take the slot (it is
 beyond its share, and the slot is held in reserve) is passed over for the next.
 """
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.fairness import FairQueue, FairShare
+from router.fair.fairness import FairQueue, FairShare
 
 if TYPE_CHECKING:
-    from router.policies import RoutingRequest
+    from router.core import RoutingRequest
 
 
 class Overloaded(Exception):

@@ -10,7 +10,7 @@ dropped, then only the ``kept`` largest survive, so the table holds at most
 ``kept + half_life`` prefixes. Each keeps a reference to the identities of the latest
 prompt through it (no copy: the request made them) to ask the index who holds how
 much of it, and the first ``sample_tokens`` token ids of the first prompt through it,
-which only an administrator may have decoded (``router/dashboard``).
+which only an administrator may have decoded (``router/http/dashboard``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""Stage 2 of the request path: resolve who sent a request and how it is routed.
+
+From the envelope: the tenant (its API key; 401 without one when keys are
+configured), the cache salt that seeds its block identities (in the gateway and,
+through the ``cache_salt`` field forwarded, in the replica), its class and weight,
+the model or adapter it names (404 if no replica serves it), the client's session key,
+and the prompt's keys at every ``stride``-th block boundary. Out comes a
+:class:`Ticket`: the :class:`~router.core.RoutingRequest` the policy sees, with the
+envelope and the fields to set in the body forwarded. A prompt the gateway cannot
+read is routed by load alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from replica.api import openai as api
+from replica.api.identity import affinity_key, identity_seed
+from router.config import GatewayConfig
+from router.core import RoutingRequest
+from router.fair.fairness import PRIORITY_HEADER, priority_rank
+from router.fair.tenants import ApiKeys, SaltBook, Tenant, tenant_salt
+from router.fleet.models import ModelRoutes, ServedName
+from router.index.hot_prefixes import HotPrefixes
+from router.index.key_cache import PrefixKeyCache
+from router.path.accounting import Accounting
+from router.path.envelope import Envelope, rewritten
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request resolved: what the policy sees, and what the later stages forward."""
+
+    envelope: Envelope
+    request: RoutingRequest
+    #: Fields to set in the body forwarded (the tenant's salt).
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def body(self) -> bytes:
+        """The body forwarded: the client's, with ``fields`` set and a streamed
+        answer's usage asked for (it tells the gateway the cached tokens)."""
+        envelope = self.envelope
+        ask_for_usage = envelope.stream and not envelope.include_usage
+        return rewritten(envelope.raw, ask_for_usage, self.fields)
+
+
+class Resolver:
+    """Resolves envelopes for one gateway, from its keys, models and key cache."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        keys: ApiKeys,
+        models: ModelRoutes,
+        prefix_keys: PrefixKeyCache,
+        hot_prefixes: HotPrefixes,
+        salts: SaltBook,
+        accounting: Accounting,
+    ) -> None:
+        self.config, self.keys, self.models = config, keys, models
+        self.prefix_keys, self.hot_prefixes = prefix_keys, hot_prefixes
+        self.salts, self.accounting = salts, accounting
+
+    def resolve(self, envelope: Envelope) -> Ticket:
+        """The envelope's ticket; raises :class:`~router.fair.tenants.Unauthorized` or
+        ``api.Rejected`` (404, an unknown model; 400, an unknown class)."""
+        tenant = self.keys.tenant(envelope.headers.get("authorization"))
+        name = tenant.name if tenant else None
+        salt = tenant_salt(name, envelope.cache_salt)
+        fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}
+        served = self.served(envelope.body.get("model"))
+        if envelope.prompt is None:
+            self.accounting.unread_prompts += 1
+            request = RoutingRequest(
+                api.new_id("route"), 0, tenant=name, model=served.model, adapter=served.adapter
+            )
+        else:
+            request = self.keyed(envelope.prompt, salt, name, served)
+            request.session = session_key(envelope, self.config.session_key)
+            self.accounting.session_requests += request.session is not None
+        classify(request, envelope, tenant)
+        return Ticket(envelope, request, fields)
+
+    def served(self, model: object) -> ServedName:
+        """What a request's ``model`` field names; 404, as vLLM answers, if no replica
+        serves it."""
+        name = model if isinstance(model, str) else None
+        served = self.models.resolve(name)
+        if served is None:
+            known = ", ".join(name for name, _ in self.models.names())
+            raise api.Rejected(f"the model {name!r} does not exist (served: {known})", 404, "model")
+        return served
+
+    def keyed(
+        self,
+        prompt: np.ndarray,
+        cache_salt: str | None,
+        tenant: str | None = None,
+        served: ServedName | None = None,
+    ) -> RoutingRequest:
+        """Hash the prompt as a replica will: seeded by model (or adapter) and salt."""
+        served = served or ServedName(self.config.model)
+        seed = identity_seed(served.name, cache_salt)  # one short hash, no cache to grow
+        if tenant is not None and cache_salt is not None:
+            self.salts.learn(cache_salt, tenant)
+        routing = self.config.routing
+        hashes = self.prefix_keys.keys(prompt, seed)
+        self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
+        affinity = affinity_key(prompt, routing.block_size, routing.index.stride, seed)
+        return RoutingRequest(
+            api.new_id("route"),
+            len(prompt),
+            hashes,
+            tenant=tenant,
+            model=served.model,
+            adapter=served.adapter,
+            affinity=affinity,
+        )
+
+
+def classify(request: RoutingRequest, envelope: Envelope, tenant: Tenant | None) -> None:
+    """What the tenant's key says of the request: its class, weight and cache budget."""
+    request.priority = priority(envelope, tenant)
+    if tenant is not None:
+        request.weight, request.cache_budget = tenant.weight, tenant.cache_budget
+
+
+def priority(envelope: Envelope, tenant: Tenant | None) -> int:
+    """The request class's rank: the ``x-priority`` header's, never more urgent than
+    the key's class."""
+    floor = priority_rank(tenant.priority) if tenant else 0
+    asked = envelope.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return floor
+    try:
+        return max(priority_rank(asked.strip().lower()), floor)
+    except ValueError as error:
+        raise api.Rejected(str(error), 400, PRIORITY_HEADER) from None
+
+
+def session_key(envelope: Envelope, source: str) -> str | None:
+    """The client's session key, read where ``--session-key`` says (``None``: none)."""
+    if not source:
+        return None
+    if source == "user":
+        key = envelope.body.get("user")
+        key = key if isinstance(key, str) else None
+    else:
+        key = envelope.headers.get(source)
+    return key or None
