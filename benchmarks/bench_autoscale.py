@@ -53,7 +53,7 @@ class Run:
 
 
 def command(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "prefix_router", *args], capture_output=True,
                           text=True, env=LOOPBACK, timeout=300)  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"prefix-router {args[0]} failed: {done.stderr}")

@@ -96,9 +96,9 @@ def wait_until(
 def start(
     command: list[str], port: int, stderr: int | IO[str] = subprocess.PIPE
 ) -> subprocess.Popen:
-    """``python -m deploy.cli COMMAND --port PORT`` in its own process group."""
+    """``python -m prefix_router COMMAND --port PORT`` in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", *command, "--port", str(port)],
+        [sys.executable, "-m", "prefix_router", *command, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=stderr,
         text=True,

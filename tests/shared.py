@@ -192,7 +192,7 @@ def vllm_work_folders() -> set[str]:
 
 def prefix_router(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
     """A ``prefix-router`` command run to its end, its output captured."""
-    command = [sys.executable, "-m", "deploy.cli", *args]
+    command = [sys.executable, "-m", "prefix_router", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 

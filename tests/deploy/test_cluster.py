@@ -64,7 +64,7 @@ def head() -> Iterator[str]:
 
 
 def prefix_router(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "deploy.cli", *args]
+    command = [sys.executable, "-m", "prefix_router", *args]
     return subprocess.run(
         command, capture_output=True, text=True, env=LOOPBACK, timeout=300, check=False
     )
@@ -199,7 +199,7 @@ def test_up_on_a_busy_port_names_it_and_leaves_no_gateway_behind(head):
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):
     wrong = {**LOOPBACK, "RAY_AUTH_TOKEN": "0" * 32}
-    command = [sys.executable, "-m", "deploy.cli", "status", "--address", head]
+    command = [sys.executable, "-m", "prefix_router", "status", "--address", head]
     done = subprocess.run(command, capture_output=True, text=True, env=wrong, timeout=120)
     assert done.returncode == 2
     assert f"the Ray cluster at {head} refused this machine's authentication token" in done.stderr

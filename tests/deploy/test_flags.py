@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from deploy.cli import build_parser
 from deploy.flags import add_config_flags, config_flags, config_from_args, config_overrides
 from loadtest.replay import ReplayConfig
+from prefix_router.cli import build_parser
 from router.config import GatewayConfig
 
 

@@ -31,7 +31,7 @@ def serving(*flags: str, announced: bool = False) -> Iterator[tuple[str, subproc
     before = ray_processes()
     port = free_port()
     command = [
-        sys.executable, "-m", "deploy.cli", "serve", "--replicas", "2", "--port", str(port),
+        sys.executable, "-m", "prefix_router", "serve", "--replicas", "2", "--port", str(port),
         "--replica-speedup", "20", *flags,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -25,7 +25,7 @@ TINY = [
 
 
 def bench(out: Path, *arguments: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "deploy.cli", "bench", "--out", str(out), *TINY, *arguments]
+    command = [sys.executable, "-m", "prefix_router", "bench", "--out", str(out), *TINY, *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -139,7 +139,9 @@ def test_bench_runs_its_own_embedded_deployment_with_two_gateways_and_stops_it(t
     routed = row["requests_per_gateway"]
     assert len(routed) == 2 and min(routed) > 0 and sum(routed) == row["requests"]
     assert row["prediction_accuracy"] is not None
-    leftover = subprocess.run(["pgrep", "-f", "deploy.cli serve"], capture_output=True, check=False)
+    leftover = subprocess.run(
+        ["pgrep", "-f", "prefix_router serve"], capture_output=True, check=False
+    )
     assert leftover.stdout == b""
 
 

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deploy.cli import main
 from deploy.processes import free_port, running
 from loadtest.calibrate import Server
+from prefix_router.cli import main
 from replica.api.cost_model import PROFILES, StepCosts, get_profile
 from tests.shared import prefix_router
 

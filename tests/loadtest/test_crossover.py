@@ -2,8 +2,8 @@
 
 import pytest
 
-from deploy.cli import main
 from loadtest.crossover import LENGTHS, costs, crossover
+from prefix_router.cli import main
 from replica.api.cost_model import LINKS, PROFILES
 
 

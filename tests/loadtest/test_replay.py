@@ -89,7 +89,7 @@ def test_requests_larger_than_the_cache_are_failures_not_crashes():
 def test_the_command_line_prints_a_sweep_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
     command = [
-        sys.executable, "-m", "deploy.cli", "replay", "--workload", "chat", "--replicas", "1",
+        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat", "--replicas", "1",
         "--policies", "round_robin", "--chat-num-sessions", "30", "--sweep-capacity", "512,4096",
         "--json", str(out), "--no-progress",
     ]  # fmt: skip
@@ -108,7 +108,7 @@ def test_the_command_line_prints_a_sweep_and_writes_json(tmp_path):
 
 def test_a_sweep_of_routers_writes_its_report_and_chart(tmp_path):
     command = [
-        sys.executable, "-m", "deploy.cli", "replay", "--workload", "chat", "--replicas", "2",
+        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat", "--replicas", "2",
         "--policies", "cache_aware", "--chat-num-sessions", "20", "--sweep", "routers=1,2",
         "--no-reference", "--out", str(tmp_path), "--no-progress",
     ]  # fmt: skip
@@ -121,7 +121,7 @@ def test_a_sweep_of_routers_writes_its_report_and_chart(tmp_path):
 
 def test_the_command_line_explains_bad_input():
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "replay", "--workload", "nope"],
+        [sys.executable, "-m", "prefix_router", "replay", "--workload", "nope"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "unknown workload" in done.stderr
@@ -205,7 +205,7 @@ def test_decode_bursts_change_no_figure(replicas, arrival):
 
 def test_the_command_line_writes_a_report_with_charts(tmp_path):
     command = [
-        sys.executable, "-m", "deploy.cli", "replay", "--policies", "round_robin,cache_aware",
+        sys.executable, "-m", "prefix_router", "replay", "--policies", "round_robin,cache_aware",
         "--chat-num-sessions", "40", "--sweep", "replicas=1,2", "--out", str(tmp_path),
         "--no-progress",
     ]  # fmt: skip
@@ -270,7 +270,7 @@ def test_the_command_line_scales_the_load_with_the_fleet(tmp_path):
     rows = {}
     for jobs in ("1", "2"):
         command = [
-            sys.executable, "-m", "deploy.cli", "replay", "--workload",
+            sys.executable, "-m", "prefix_router", "replay", "--workload",
             f"trace:{MOONCAKE_TRACE}", "--limit", "10", "--replicas-per-copy", "2",
             "--sweep", "replicas=2,4", "--policies", "round_robin,cache_aware",
             "--jobs", jobs, "--json", str(tmp_path / f"rows{jobs}.json"), "--no-progress",

@@ -77,7 +77,7 @@ def test_the_fleet_grows_with_the_day_and_shrinks_without_failing_a_request(scal
 def test_the_command_line_scales_and_reports_replica_hours(tmp_path):
     out = tmp_path / "report.json"
     command = [
-        sys.executable, "-m", "deploy.cli", "replay", "--workload", "chat",
+        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat",
         "--chat-rate-shape", "day", "--chat-num-sessions", "80", "--chat-session-rate", "1",
         "--replicas", "2", "--min-replicas", "1", "--max-replicas", "3",
         "--target-ongoing-requests", "4", "--downscale-delay-s", "10",

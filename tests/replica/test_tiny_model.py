@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from deploy.cli import main
+from prefix_router.cli import main
 from replica.api.model_tokenizer import load_tokenizer
 from replica.tiny_model import (
     BOS,

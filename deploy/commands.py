@@ -1,4 +1,5 @@
-"""``prefix-router``: the command line, on top of everything and imported by nothing.
+"""The deployments' commands: ``replica``, ``gateway``, ``serve``, ``up``, ``status``,
+``down`` and ``tiny-model``, registered on the command line by ``prefix_router/cli.py``.
 
 Flags and defaults come from the config dataclasses (see ``deploy/flags.py``). What
 starts Ray is imported only by the commands that need it, so ``replay`` starts fast.
@@ -7,8 +8,7 @@ starts Ray is imported only by the commands that need it, so ``replay`` starts f
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,8 @@ from deploy.flags import (
     engine_args,
 )
 from deploy.fleet import FLEET_HELP, fleet_engines, parse_entry
-from deploy.replicas import EngineSpec, ReplicaStartError
+from deploy.replicas import EngineSpec
 from deploy.serving import serve_http
-from loadtest.bench_cli import add_bench_parser
-from loadtest.calibrate import add_calibrate_parser
-from loadtest.crossover import add_crossover_parser
-from loadtest.replay_cli import add_replay_parser
 from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
 from replica.api.model_tokenizer import load_tokenizer
@@ -38,19 +34,13 @@ from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_replay_parser(commands)
-    add_crossover_parser(commands)
-    add_calibrate_parser(commands)
-    add_bench_parser(commands)
+def add_deploy_commands(commands: Any) -> None:
+    """Register the deployments' commands on the command line's ``commands``."""
     add_replica_parser(commands)
     add_gateway_parser(commands)
     add_serve_parser(commands)
     add_cluster_parsers(commands)
     add_tiny_model_parser(commands)
-    return parser
 
 
 #: What the gateway and its replicas must agree on: one flag sets both.
@@ -317,16 +307,3 @@ def run_replica(args: argparse.Namespace) -> int:
     check_tokenizer(config)
     serve_http(create_app(config, kv_events_host=args.host), args.host, args.port)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.run(args) or 0)
-    except (ValueError, FileNotFoundError, ReplicaStartError) as error:
-        print(f"prefix-router {args.command}: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
