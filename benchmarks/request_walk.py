@@ -22,8 +22,14 @@ non-streamed ``/v1/chat/completions`` request is traced with ``sys.setprofile``:
   still open, or one at a ``RESUME`` after a yield, or a ``throw`` into it) is
   neither. Consecutive repeats collapse.
 
-It prints the walk, its steps, its distinct modules, how many steps go back to a
-module it had left, how often each module was entered, and the router calls made in
+The walk is printed twice: whole, and along the request path only, where every
+module of the rooms below the path (tenants, fairness, models, keys, the policies,
+the index, the load, the counters) folds into the path module that called it: the
+path's own modules are ``app``, ``intake``, ``gateway`` and ``upstream`` before, and
+``http/app``, ``gateway`` and the stages ``path/envelope``, ``resolve``, ``admit``,
+``place``, ``dispatch`` and ``settle`` after. For each it prints the walk, its steps,
+how many steps go back to a module it had left and how often each module was
+entered; for the whole walk also its distinct modules, and the router calls made in
 other tasks while it traced (which the walk leaves out). The bytecode tests are
 CPython 3.11's.
 
@@ -218,20 +224,50 @@ class WalkFigures:
     #: Router calls in other tasks (or none) while the walk was traced.
     outside_task: dict[str, int]
     reached_upstream: bool
+    #: The same along the request path's own modules (see the module's doc).
+    path_walk: list[str]
+    path_steps: int
+    path_returns: int
+    path_entered: dict[str, int]
+
+
+#: The request path's own modules, before (app ... upstream) and after it became stages.
+PATH_MODULES = frozenset(
+    {"app", "intake", "gateway", "upstream", "http/app"}
+    | {f"path/{stage}" for stage in ("envelope", "resolve", "admit", "place", "dispatch", "settle")}
+)
+
+
+def along_the_path(walk: list[str]) -> list[str]:
+    """The walk with every module below the path folded into the path module that
+    called it (and the upstream client, its last step, kept)."""
+    path: list[str] = []
+    for module in walk:
+        if (module in PATH_MODULES or module in CLIENT_MODULES) and path[-1:] != [module]:
+            path.append(module)
+    return path
+
+
+def _returns(walk: list[str]) -> int:
+    return sum(module in walk[:i] for i, module in enumerate(walk))
 
 
 def figures(root: Path, tracer: WalkTracer) -> WalkFigures:
     walk = tracer.walk
-    returns = sum(module in walk[:i] for i, module in enumerate(walk))
+    path = along_the_path(walk)
     return WalkFigures(
         root=str(root),
         walk=walk,
         steps=len(walk),
         modules=len(set(walk)),
-        returns=returns,
+        returns=_returns(walk),
         entered=dict(collections.Counter(walk)),
         outside_task=dict(tracer.elsewhere.most_common()),
         reached_upstream=tracer.reached_upstream,
+        path_walk=path,
+        path_steps=len(path),
+        path_returns=_returns(path),
+        path_entered=dict(collections.Counter(path)),
     )
 
 
@@ -243,6 +279,11 @@ def report(figures: WalkFigures) -> str:
         f"returns to a module it had left: {figures.returns}",
         "entered per module:",
         *(f"  {module:<24} {count}" for module, count in figures.entered.items()),
+        "along the request path (the rooms below it folded into their caller):",
+        "  " + " -> ".join(figures.path_walk),
+        f"  steps: {figures.path_steps}   returns to a module it had left: "
+        f"{figures.path_returns}   entered: "
+        + ", ".join(f"{m} {n}" for m, n in figures.path_entered.items()),
     ]
     if figures.outside_task:
         calls = ", ".join(f"{m} {n}" for m, n in figures.outside_task.items())

@@ -20,12 +20,13 @@ import httpx
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from deploy.engines import replica_actor
 from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME, numbered
-from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
+from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from replica.api.card import EngineCard
-from replica.api.figures import read_figures
+from replica.api.engines import read_figures
 from replica.vllm_server import VLLMConfig
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig

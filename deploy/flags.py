@@ -130,15 +130,14 @@ def _dest(prefix: str, name: str) -> str:
     return f"{prefix}{name}".replace("-", "_")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, engines: Sequence[str]) -> None:
-    """Which engine the replicas run (``engines``, the first the default), and vLLM's
-    own flags."""
+def add_engine_flags(parser: argparse.ArgumentParser, engines: Mapping[str, str]) -> None:
+    """Which engine the replicas run (``engines``: each kind's name and what it is, the
+    first the default), and vLLM's own flags."""
     parser.add_argument(
         "--engine",
-        choices=engines,
-        default=engines[0],
-        help=f"{engines[0]}: the simulated engine (default); vllm: a vLLM server per "
-        "replica, serving --model PATH (a Hugging Face model folder)",
+        choices=list(engines),
+        default=next(iter(engines)),
+        help="; ".join(f"{name}: {summary}" for name, summary in engines.items()),
     )
     parser.add_argument(
         "--engine-arg",

@@ -20,9 +20,10 @@ from typing import Any
 
 import ray
 
+from deploy.engines import replica_actor
 from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
-from deploy.replicas import EngineSpec, ready_cards, replica_actor, stop_replicas
+from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard

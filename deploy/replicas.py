@@ -172,11 +172,6 @@ SimReplicaActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(SimReplic
 VLLMReplicaActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(VLLMReplica)
 
 
-def replica_actor(spec: EngineSpec) -> Any:
-    """The actor class that hosts ``spec``'s engine."""
-    return VLLMReplicaActor if isinstance(spec, VLLMConfig) else SimReplicaActor
-
-
 class ReplicaStartError(RuntimeError):
     """A replica's engine did not start (the message quotes why: its log's last lines)."""
 

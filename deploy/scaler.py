@@ -24,8 +24,9 @@ import httpx
 import numpy as np
 import ray
 
+from deploy.engines import replica_actor
 from deploy.names import REPLICA_PREFIX, SCALER_NAME
-from deploy.replicas import EngineSpec, replica_actor, stop_replicas
+from deploy.replicas import EngineSpec, stop_replicas
 from router.fleet.autoscaler import AutoscaleConfig, Autoscaler, FleetLoad, to_stop
 
 log = logging.getLogger(__name__)

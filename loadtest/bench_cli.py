@@ -33,8 +33,8 @@ from loadtest.report import (
 )
 from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig
-from replica.api.card import ENGINES
 from replica.api.config import ReplicaConfig
+from replica.api.engines import ENGINES, SIM
 
 TABLE_KEYS = (
     "label", "requests", "failures", "token_hit_rate", "host_hit_rate", "client_token_hit_rate",
@@ -117,7 +117,7 @@ def add_bench_parser(commands: Any) -> None:
         default=BenchConfig().model,
         help="the model requests name; with --engine vllm, the model folder the replicas serve",
     )
-    add_engine_flags(parser, ENGINES)
+    add_engine_flags(parser, {name: kind.summary for name, kind in ENGINES.items()})
     parser.add_argument(
         "--serve-arg",
         action="append",
@@ -160,7 +160,7 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = tuple(p for p in args.policies.split(",") if p)
     if args.with_sglang and sglang.LABEL not in policies:
         policies += (sglang.LABEL,)
-    if args.engine == "vllm" and Path(args.model).is_dir():  # as `serve` will name it
+    if ENGINES[args.engine].loads_model and Path(args.model).is_dir():  # as `serve` names it
         args.model = str(Path(args.model).resolve())
     config = BenchConfig(
         policies=policies,
@@ -215,7 +215,7 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
         print(f"bench: starting {count} {args.engine} replicas, {args.gateways} "
               "gateway(s)…", file=sys.stderr)  # fmt: skip
         with bench.embedded(count, flags, args.gateways) as urls:
-            engine = "" if args.engine == "sim" else f"{args.engine} "
+            engine = "" if args.engine == SIM.name else f"{args.engine} "
             models = f" ({', '.join(args.fleet)})" if args.fleet else ""
             replicas = f"{count} {engine}replicas{models}"
             yield urls, f"embedded deployment, {replicas}, {_gateways_text(urls)}"
@@ -232,11 +232,13 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     replicas' (the user's, else the bench's sizes for its chat workload; traces get what
     the profile's hardware holds); then the user's own."""
     more = [*_fleet_flags(args), *shell_words(args.serve_arg)]
-    if args.engine == "vllm":
+    if ENGINES[args.engine].loads_model:
         if args.model == BenchConfig().model:
-            raise ValueError("--engine vllm needs --model PATH, the model folder to serve")
-        vllm = ["--engine", "vllm", "--model", args.model]
-        return [*vllm, *(f"--engine-arg={arg}" for arg in engine_args(args)), *more]
+            raise ValueError(
+                f"--engine {args.engine} needs --model PATH, the model folder to serve"
+            )
+        engine = ["--engine", args.engine, "--model", args.model]
+        return [*engine, *(f"--engine-arg={arg}" for arg in engine_args(args)), *more]
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
     if args.workload == "chat":
         overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)

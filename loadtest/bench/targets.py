@@ -16,7 +16,8 @@ from deploy import processes
 from loadtest.replay import ReplayConfig
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
-from replica.api.figures import EngineFigures, read_figures
+from replica.api.engines import read_figures
+from replica.api.figures import EngineFigures
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.stats import GatewayStats

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.api.stats import KVEventsEndpoint, ReplicaStats
-
-EngineKind = Literal["sim", "vllm"]
-ENGINES: tuple[EngineKind, ...] = ("sim", "vllm")
 
 
 @dataclass(frozen=True)
 class EngineCard:
     """One replica: where it serves, what it serves, and how it caches."""
 
-    engine: EngineKind
+    #: Its engine kind's name (``replica/api/engines.py``).
+    engine: str
     url: str
     #: The name requests give as ``model`` (vLLM's served model name).
     model: str
@@ -50,9 +47,16 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
     """One of our simulated replicas, from its ``/stats``."""
     config = stats.config
     return EngineCard(
-        "sim", url, config.model, config.block_size, stats.cache.num_blocks,
-        config.tokenizer, stats.kv_events, stats.pid, tuple(stats.adapters),
-    )  # fmt: skip
+        "sim",
+        url,
+        config.model,
+        config.block_size,
+        stats.cache.num_blocks,
+        config.tokenizer,
+        stats.kv_events,
+        stats.pid,
+        tuple(stats.adapters),
+    )
 
 
 def vllm_cache_config(metrics_text: str) -> dict[str, str]:
@@ -83,9 +87,16 @@ def vllm_card(
     root = str(first.get("root") or model)  # the folder it loaded (its tokenizer's)
     adapters = tuple(str(card["id"]) for card in cards if card.get("parent") and card.get("id"))
     return EngineCard(
-        "vllm", url, model, _int(cache.get("block_size")), _int(cache.get("num_gpu_blocks")),
-        root or None, kv_events, pid, adapters,
-    )  # fmt: skip
+        "vllm",
+        url,
+        model,
+        _int(cache.get("block_size")),
+        _int(cache.get("num_gpu_blocks")),
+        root or None,
+        kv_events,
+        pid,
+        adapters,
+    )
 
 
 def _int(text: str | None) -> int | None:

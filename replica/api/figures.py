@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
 
 #: vLLM's counters, by the name ``prometheus_client`` gives their family (no ``_total``).
@@ -59,8 +57,8 @@ def from_vllm_metrics(text: str) -> EngineFigures | None:
             totals[field] = sum(samples)
     if len(totals) < len(VLLM_COUNTERS):
         return None
-    return EngineFigures(int(totals["requests"]), int(totals["query_tokens"]),
-                         int(totals["hit_tokens"]))  # fmt: skip
+    requests, queries, hits = (int(totals[name]) for name in VLLM_COUNTERS.values())
+    return EngineFigures(requests, queries, hits)
 
 
 def vllm_requests_in_engine(text: str) -> int:
@@ -69,18 +67,3 @@ def vllm_requests_in_engine(text: str) -> int:
     gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     families = text_string_to_metric_families(text)
     return int(sum(s.value for f in families if f.name in gauges for s in f.samples))
-
-
-def read_figures(client: httpx.Client, url: str) -> EngineFigures:
-    """The figures of the replica at ``url``: ours, or vLLM's; raises ``ValueError`` if it
-    is neither, ``httpx.HTTPError`` if it does not answer."""
-    answer = client.get(f"{url}/stats")
-    if answer.status_code == 200:
-        try:
-            return from_stats(stats_codec.decode(ReplicaStats, answer.content))
-        except ValueError:
-            pass  # a /stats of another kind: look for vLLM's metrics
-    figures = from_vllm_metrics(client.get(f"{url}/metrics").text)
-    if figures is None:
-        raise ValueError(f"{url} is neither a prefix-router replica nor a vLLM server")
-    return figures

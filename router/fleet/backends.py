@@ -25,10 +25,10 @@ from typing import Any, Literal
 
 import aiohttp
 
-from replica.api import stats as stats_codec
-from replica.api.card import EngineCard, sim_card, vllm_card
+from replica.api.card import EngineCard
+from replica.api.engines import ENGINES
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
-from replica.api.stats import KVEventsEndpoint, ReplicaStats
+from replica.api.stats import KVEventsEndpoint
 from router.core import ReplicaState
 from router.fleet import load
 from router.fleet.backend_check import BackendCheck, CanaryWatch, Verdict
@@ -433,21 +433,25 @@ class BackendPool:
 
 
 async def describe(client: aiohttp.ClientSession, url: str) -> EngineCard | None:
-    """What the server at ``url`` says of itself: one of our replicas (its ``/stats``), a
-    vLLM server (its ``/metrics`` and ``/v1/models``), or ``None`` (another server, or
-    one not up yet)."""
+    """What the server at ``url`` says of itself, asked as each engine kind would be
+    (``replica/api/engines.py``: ours answer ``/stats``, vLLM ``/metrics`` and
+    ``/v1/models``), or ``None`` (another server, or one not up yet)."""
     timeout = aiohttp.ClientTimeout(total=5.0)
+    answered: dict[str, bytes | None] = {}  # each path asked once
     try:
-        async with client.get(f"{url}/stats", timeout=timeout) as response:
-            if response.status == 200:
-                return sim_card(url, stats_codec.decode(ReplicaStats, await response.read()))
-        async with client.get(f"{url}/metrics", timeout=timeout) as response:
-            metrics = await response.text() if response.status == 200 else ""
-        async with client.get(f"{url}/v1/models", timeout=timeout) as response:
-            models = (await response.json()).get("data", []) if response.status == 200 else []
-        return vllm_card(url, metrics, models)
+        for kind in ENGINES.values():
+            for path in kind.card_paths:
+                if path not in answered:
+                    async with client.get(f"{url}{path}", timeout=timeout) as response:
+                        ok = response.status == 200
+                        answered[path] = await response.read() if ok else None
+            answers = {p: a for p in kind.card_paths if (a := answered[p]) is not None}
+            card = kind.card(url, answers)
+            if card is not None:
+                return card
     except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
+        pass
+    return None
 
 
 async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float = 1.0) -> None:

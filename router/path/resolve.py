@@ -6,14 +6,14 @@ through the ``cache_salt`` field forwarded, in the replica), its class and weigh
 the model or adapter it names (404 if no replica serves it), the client's session key,
 and the prompt's keys at every ``stride``-th block boundary. Out comes a
 :class:`Ticket`: the :class:`~router.core.RoutingRequest` the policy sees, with the
-envelope and the fields to set in the body forwarded. A prompt the gateway cannot
+envelope and the body to forward (with the fields the gateway sets). A prompt the gateway cannot
 read is routed by load alone.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from router.fleet.models import ModelRoutes, ServedName
 from router.index.hot_prefixes import HotPrefixes
 from router.index.key_cache import PrefixKeyCache
 from router.path.accounting import Accounting
-from router.path.envelope import Envelope, rewritten
+from router.path.envelope import Envelope
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,9 @@ class Ticket:
 
     envelope: Envelope
     request: RoutingRequest
-    #: Fields to set in the body forwarded (the tenant's salt).
-    fields: dict[str, Any] = field(default_factory=dict)
-
-    @cached_property
-    def body(self) -> bytes:
-        """The body forwarded: the client's, with ``fields`` set and a streamed
-        answer's usage asked for (it tells the gateway the cached tokens)."""
-        envelope = self.envelope
-        ask_for_usage = envelope.stream and not envelope.include_usage
-        return rewritten(envelope.raw, ask_for_usage, self.fields)
+    #: The body forwarded: the client's, with the fields the gateway sets (the
+    #: tenant's salt; a streamed answer's usage, which tells it the cached tokens).
+    body: bytes = field(default=b"", repr=False)
 
 
 class Resolver:
@@ -84,7 +77,8 @@ class Resolver:
             request.session = session_key(envelope, self.config.session_key)
             self.accounting.session_requests += request.session is not None
         classify(request, envelope, tenant)
-        return Ticket(envelope, request, fields)
+        ask_for_usage = envelope.stream and not envelope.include_usage
+        return Ticket(envelope, request, rewritten(envelope.raw, ask_for_usage, fields))
 
     def served(self, model: object) -> ServedName:
         """What a request's ``model`` field names; 404, as vLLM answers, if no replica
@@ -153,3 +147,22 @@ def session_key(envelope: Envelope, source: str) -> str | None:
     else:
         key = envelope.headers.get(source)
     return key or None
+
+
+def rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) -> bytes:
+    """The body with ``fields`` set, and a streamed answer's usage asked for (it tells
+    the gateway the cached tokens); one rewrite, only when something must change.
+
+    The fields are appended to the object, not merged into a parsed copy: of a JSON
+    object's duplicate keys the last wins (Python's ``json``, with which FastAPI, vLLM
+    and the replica read bodies), and a 100k-token conversation's 400 KB are copied
+    once instead of parsed and printed again (0.05 ms against 2.8).
+    """
+    fields = dict(fields or {})
+    if ask_for_usage:
+        fields["stream_options"] = {"include_usage": True}
+    if not fields:
+        return raw
+    head = raw.rstrip()[:-1].rstrip()  # an object (envelope.read_body checked): less its "}"
+    separator = b"" if head.endswith(b"{") else b","
+    return head + separator + json.dumps(fields)[1:-1].encode() + b"}"

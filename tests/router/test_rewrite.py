@@ -5,7 +5,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.path.envelope import rewritten
+from router.path.resolve import rewritten
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8),
