@@ -72,8 +72,9 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
     except OSError as error:
-        raise ValueError(f"no Ray cluster at {address} ({error.strerror or error}): "
-                         f"{NO_CLUSTER_FIX}") from None  # fmt: skip
+        raise ValueError(
+            f"no Ray cluster at {address} ({error.strerror or error}): {NO_CLUSTER_FIX}"
+        ) from None
 
 
 def _use_the_token_if_there_is_one() -> None:
@@ -137,18 +138,26 @@ def up(
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
     handles = [
-        replica_actor(engine).options(
-            name=name, lifetime="detached", get_if_exists=True,
+        replica_actor(engine)
+        .options(
+            name=name,
+            lifetime="detached",
+            get_if_exists=True,
             **placement(engine, index, replicas, nodes),
-        ).remote(engine, host)
+        )
+        .remote(engine, host)
         for index, (name, engine) in enumerate(zip(wanted, engines, strict=True))
-    ]  # fmt: skip
+    ]
     timeout_s = max(getattr(engine, "startup_timeout_s", 120.0) for engine in engines)
     cards = ready_cards(handles, timeout_s=timeout_s)
     fronts, _ = start_gateways(
-        gateway.configured_by(cards[0], keep), host, [port] * gateways, nodes[:gateways],
-        detached=True, backends=replicas,
-    )  # fmt: skip
+        gateway.configured_by(cards[0], keep),
+        host,
+        [port] * gateways,
+        nodes[:gateways],
+        detached=True,
+        backends=replicas,
+    )
     if autoscale is not None:
         options = {
             "num_cpus": REPLICA_CPUS,
@@ -179,12 +188,15 @@ def placement(engine: EngineSpec, index: int, replicas: int, nodes: list[str]) -
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus:
         if replicas > gpus:
-            raise ValueError(f"--replicas {replicas}: one vLLM replica per GPU, and the "
-                             f"cluster has {gpus}")  # fmt: skip
+            raise ValueError(
+                f"--replicas {replicas}: one vLLM replica per GPU, and the cluster has {gpus}"
+            )
         return {"num_cpus": REPLICA_CPUS, "num_gpus": 1, "scheduling_strategy": "SPREAD"}
     if replicas > len(nodes):
-        raise ValueError(f"--replicas {replicas}: without GPUs, one vLLM replica per node "
-                         f"(it takes every core), and the cluster has {len(nodes)}")  # fmt: skip
+        raise ValueError(
+            f"--replicas {replicas}: without GPUs, one vLLM replica per node "
+            f"(it takes every core), and the cluster has {len(nodes)}"
+        )
     affinity = NodeAffinitySchedulingStrategy(nodes[index], soft=True)
     return {"num_cpus": REPLICA_CPUS, "scheduling_strategy": affinity}
 
@@ -215,8 +227,9 @@ def _probe(
             figures = read_figures(client, card.url)
     except (httpx.HTTPError, ValueError):
         return ActorStatus(name, node, card.url, False, None, None, routing)
-    return ActorStatus(name, node, card.url, True, figures.requests, figures.token_hit_rate,
-                       routing)  # fmt: skip
+    return ActorStatus(
+        name, node, card.url, True, figures.requests, figures.token_hit_rate, routing
+    )
 
 
 def down() -> int:

@@ -114,8 +114,10 @@ def run_up(args: argparse.Namespace) -> int:
     )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
     if autoscale is not None:
-        print(f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
-              f"(scale-in by {autoscale.scale_in})")  # fmt: skip
+        print(
+            f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
+            f"(scale-in by {autoscale.scale_in})"
+        )
     for url in gateways:
         print(f"gateway: {url}/v1")
     return 0
@@ -128,8 +130,10 @@ def run_status(args: argparse.Namespace) -> int:
     gateways, replicas = cluster.status()
     if not gateways:
         print("gateway: not running")
-    print(f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}"
-          "  routing")  # fmt: skip
+    print(
+        f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}"
+        "  routing"
+    )
     for row in [*gateways, *replicas]:
         rate = f"{row.token_hit_rate:.1%}" if row.token_hit_rate is not None else "-"
         health = "ok" if row.healthy else "DOWN"
@@ -174,8 +178,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     gateway, engine, keep = fleet_configs(args)
     autoscale = autoscale_config(args)
-    serve(fleet_engines(args.fleet, args.replicas, engine), gateway, args.host, args.port,
-          args.gateways, args.separate_ports, keep, autoscale)  # fmt: skip
+    serve(
+        fleet_engines(args.fleet, args.replicas, engine),
+        gateway,
+        args.host,
+        args.port,
+        args.gateways,
+        args.separate_ports,
+        keep,
+        autoscale,
+    )
     return 0
 
 
@@ -186,12 +198,15 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
     if config.fixed:
         return None
     if args.fleet:
-        raise ValueError("--min-replicas and --max-replicas scale a fleet of one model, "
-                         "not --fleet")  # fmt: skip
+        raise ValueError(
+            "--min-replicas and --max-replicas scale a fleet of one model, not --fleet"
+        )
     low, high = config.min_replicas, config.max_replicas
     if not low <= args.replicas <= high:
-        raise ValueError(f"--replicas {args.replicas} must lie within --min-replicas {low} "
-                         f"and --max-replicas {high}")  # fmt: skip
+        raise ValueError(
+            f"--replicas {args.replicas} must lie within --min-replicas {low} "
+            f"and --max-replicas {high}"
+        )
     return config
 
 
@@ -210,8 +225,10 @@ def add_tiny_model_parser(commands: Any) -> None:
 def run_tiny_model(args: argparse.Namespace) -> int:
     config = config_from_args(TinyModelConfig, args)
     folder = write_tiny_model(args.folder, config)
-    print(f"wrote {folder}: a Llama of {config.parameters / 1e6:.1f} M parameters, "
-          f"vocabulary {config.vocab_size}")  # fmt: skip
+    print(
+        f"wrote {folder}: a Llama of {config.parameters / 1e6:.1f} M parameters, "
+        f"vocabulary {config.vocab_size}"
+    )
     print(f"serve it: prefix-router serve --engine vllm --model {folder}")
     return 0
 

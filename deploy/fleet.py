@@ -34,8 +34,9 @@ def parse_entry(text: str) -> FleetEntry:
     model, sep, rest = text.rpartition("=")
     count, _, adapters = rest.partition(":")
     if not sep or not model or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"--fleet {text!r}: expected MODEL=N (N at least 1) or "
-                         "MODEL=N:ADAPTER,ADAPTER")  # fmt: skip
+        raise ValueError(
+            f"--fleet {text!r}: expected MODEL=N (N at least 1) or MODEL=N:ADAPTER,ADAPTER"
+        )
     names = tuple(name for name in adapters.split(",") if name)
     if model in names:
         raise ValueError(f"--fleet {text!r}: an adapter may not be named as its model")
@@ -50,8 +51,9 @@ def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> 
     fleet = [parse_entry(text) for text in entries]
     names = [name for entry in fleet for name in (entry.model, *entry.adapters)]
     if len(set(names)) < len(names):
-        raise ValueError(f"--fleet: every model and adapter needs a name of its own, got "
-                         f"{', '.join(names)}")  # fmt: skip
+        raise ValueError(
+            f"--fleet: every model and adapter needs a name of its own, got {', '.join(names)}"
+        )
     engines: list[EngineSpec] = []
     for entry in fleet:
         engines += [_serving(engine, entry)] * entry.replicas
@@ -61,8 +63,10 @@ def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> 
 def _serving(engine: EngineSpec, entry: FleetEntry) -> EngineSpec:
     if isinstance(engine, VLLMConfig):
         if entry.adapters:
-            raise ValueError(f"--fleet {entry.model}: vLLM's adapters need their weights: "
-                             "--engine-arg='--enable-lora --lora-modules NAME=PATH'")  # fmt: skip
+            raise ValueError(
+                f"--fleet {entry.model}: vLLM's adapters need their weights: "
+                "--engine-arg='--enable-lora --lora-modules NAME=PATH'"
+            )
         folder = Path(entry.model)  # the same for every process, wherever it runs
         return replace(engine, model=str(folder.resolve()) if folder.is_dir() else entry.model)
     return replace(engine, model=entry.model, lora_modules=",".join(entry.adapters))

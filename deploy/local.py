@@ -82,13 +82,18 @@ def serve(
         cards = ready_cards(handles)
         for model in dict.fromkeys(card.model for card in cards):  # in order, each once
             group = [card for card in cards if card.model == model]
-            print(f"{len(group)} replicas: {', '.join(c.url for c in group)} "
-                  f"({describe(group[0])})", flush=True)  # fmt: skip
+            print(
+                f"{len(group)} replicas: {', '.join(c.url for c in group)} ({describe(group[0])})",
+                flush=True,
+            )
         gateway = gateway.configured_by(cards[0], keep)
         if autoscale is not None:
             scaler = start_scaler(autoscale, engines[0], host, f"http://{host}:{port}")
-            print(f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
-                  f"(scale-in by {autoscale.scale_in})", flush=True)  # fmt: skip
+            print(
+                f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
+                f"(scale-in by {autoscale.scale_in})",
+                flush=True,
+            )
         if gateways == 1:
             print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
             serve_http(
@@ -133,8 +138,9 @@ def describe(card: EngineCard) -> str:
     """One replica's engine in a few words, for the start-up lines."""
     blocks = f"{card.num_blocks} blocks" if card.num_blocks else "its blocks"
     adapters = f" and adapters {', '.join(card.adapters)}" if card.adapters else ""
-    return (f"{card.engine} engine serving {card.model}{adapters}, {blocks} of "
-            f"{card.block_size} tokens")  # fmt: skip
+    return (
+        f"{card.engine} engine serving {card.model}{adapters}, {blocks} of {card.block_size} tokens"
+    )
 
 
 def _wait_for_a_signal() -> None:

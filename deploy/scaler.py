@@ -161,15 +161,23 @@ FleetScalerActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(FleetSca
 
 
 def start_scaler(
-    config: AutoscaleConfig, engine: EngineSpec, host: str | None, gateway_url: str,
-    replica_options: dict[str, Any] | None = None, detached: bool = False,
-) -> Any:  # fmt: skip
+    config: AutoscaleConfig,
+    engine: EngineSpec,
+    host: str | None,
+    gateway_url: str,
+    replica_options: dict[str, Any] | None = None,
+    detached: bool = False,
+) -> Any:
     """The fleet's scaler actor, running (deploy/scaler.py), placing new replicas with
     ``replica_options``; an admin key for the gateway's cache values, where keys are
     configured, from ``$PREFIX_ROUTER_ADMIN_KEY``."""
     lifetime = {"lifetime": "detached"} if detached else {}
     scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
-        config, engine, host, gateway_url, replica_options,
+        config,
+        engine,
+        host,
+        gateway_url,
+        replica_options,
         os.environ.get("PREFIX_ROUTER_ADMIN_KEY"),
-    )  # fmt: skip
+    )
     return scaler

@@ -83,8 +83,9 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:
-            raise PortBusyError(f"port {port} on {host} is in use: stop what listens there "
-                                "or give another --port") from None  # fmt: skip
+            raise PortBusyError(
+                f"port {port} on {host} is in use: stop what listens there or give another --port"
+            ) from None
         raise
     sock.listen(BACKLOG)
     sock.set_inheritable(True)

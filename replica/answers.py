@@ -189,8 +189,10 @@ class Answer:
         else:
             text = delta.get("content", "")
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head(self.spec.kind + (".chunk" if self.spec.chat else "")),
-                "choices": [choice]}  # fmt: skip
+        return {
+            **self._head(self.spec.kind + (".chunk" if self.spec.chat else "")),
+            "choices": [choice],
+        }
 
     def _body(self) -> dict[str, Any]:
         choices = []
@@ -211,8 +213,12 @@ class Answer:
         return {**self._head(kind), "choices": [], "usage": self.usage()}
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.spec.request_id, "object": kind, "created": self._created,
-                "model": self.spec.model}  # fmt: skip
+        return {
+            "id": self.spec.request_id,
+            "object": kind,
+            "created": self._created,
+            "model": self.spec.model,
+        }
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first choice's figures), every choice's output."""
@@ -238,10 +244,11 @@ class Answer:
         return {
             "tokens": [token for token, _, _ in entries],
             "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": [dict([(token, logprob), *alternatives])
-                             for token, logprob, alternatives in entries],
+            "top_logprobs": [
+                dict([(token, logprob), *alternatives]) for token, logprob, alternatives in entries
+            ],
             "text_offset": offsets,
-        }  # fmt: skip
+        }
 
     def _token_logprob(self, token_id: int, position: int) -> tuple[str, float, list]:
         draw = xxhash.xxh3_64_intdigest(f"{token_id}:{position}".encode())

@@ -440,6 +440,12 @@ def batch_shape(chunks: list[ScheduledChunk], adapter_loads: int = 0) -> BatchSh
             loaded_tokens += chunk.loaded_tokens
             load_transfers += 1
     return BatchShape(
-        prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context,
-        loaded_tokens, load_transfers, adapter_loads,
-    )  # fmt: skip
+        prefill_seqs,
+        prefill_tokens,
+        pairs,
+        decode_seqs,
+        decode_context,
+        loaded_tokens,
+        load_transfers,
+        adapter_loads,
+    )

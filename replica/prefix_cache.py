@@ -370,8 +370,14 @@ class PrefixCache:
             depths.append(victim.depth)
             if evicted is not None:
                 parent_hash = parent.block_hash if parent is not None else None
-                record = (block_hash, parent_hash, victim.token_bytes, victim.depth, victim.salt,
-                          victim.lora)  # fmt: skip
+                record = (
+                    block_hash,
+                    parent_hash,
+                    victim.token_bytes,
+                    victim.depth,
+                    victim.salt,
+                    victim.lora,
+                )
                 evicted.append(EvictedBlock(*record))  # type: ignore[arg-type]
             del self._cached[block_hash]  # type: ignore[arg-type]
             victim.block_hash, victim.parent, victim.token_bytes = None, None, b""

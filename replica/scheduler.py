@@ -145,9 +145,14 @@ class Scheduler:
             seq.block_table = hits + self.cache.allocate(num_new_blocks)
             if loaded:  # the copies hold the KV now: cache them, as computed blocks
                 self.cache.cache_blocks(
-                    seq.block_table, len(hits), stop, seq.block_hashes, seq.token_bytes,
-                    seq.request.cache_salt, seq.request.lora,
-                )  # fmt: skip
+                    seq.block_table,
+                    len(hits),
+                    stop,
+                    seq.block_hashes,
+                    seq.token_bytes,
+                    seq.request.cache_salt,
+                    seq.request.lora,
+                )
             seq.num_cached_blocks = len(hits) + loaded
             seq.num_computed_tokens = num_computed
             loaded_tokens = loaded * self.cache.block_size
@@ -265,9 +270,14 @@ class Scheduler:
         if not seq.cacheable or seq.num_cached_blocks >= num_full:
             return
         done = self.cache.cache_blocks(
-            seq.block_table, seq.num_cached_blocks, num_full, seq.block_hashes, seq.token_bytes,
-            seq.request.cache_salt, seq.request.lora,
-        )  # fmt: skip
+            seq.block_table,
+            seq.num_cached_blocks,
+            num_full,
+            seq.block_hashes,
+            seq.token_bytes,
+            seq.request.cache_salt,
+            seq.request.lora,
+        )
         seq.num_cached_blocks += done
         if seq.num_cached_blocks < num_full:
             seq.cacheable = False  # a hash collision: that block stays private, and those after

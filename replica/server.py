@@ -93,10 +93,19 @@ async def models(request: Request) -> dict[str, Any]:
     vLLM lists them."""
     replica = _replica(request)
     model, max_len = replica.config.model, replica.engine.config.capacity_tokens
-    base = {"id": model, "object": "model", "created": 0, "owned_by": "prefix-router",
-            "root": model, "parent": None, "max_model_len": max_len}  # fmt: skip
-    adapters = [{**base, "id": name, "root": name, "parent": model}
-                for name in sorted(replica.engine.adapters.registered)]  # fmt: skip
+    base = {
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefix-router",
+        "root": model,
+        "parent": None,
+        "max_model_len": max_len,
+    }
+    adapters = [
+        {**base, "id": name, "root": name, "parent": model}
+        for name in sorted(replica.engine.adapters.registered)
+    ]
     return {"object": "list", "data": [base, *adapters]}
 
 

@@ -70,9 +70,15 @@ class Replica:
         echoes = body.echoes(self.engine.tokenizer) if _echo(body) else []
         choices = [r // body.n for r in range(len(requests))]
         spec = AnswerSpec(
-            request_id, lora or self.config.model, chat, choices, body.stop_strings,
-            _logprobs(body), body.include_usage, echoes,
-        )  # fmt: skip
+            request_id,
+            lora or self.config.model,
+            chat,
+            choices,
+            body.stop_strings,
+            _logprobs(body),
+            body.include_usage,
+            echoes,
+        )
         answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
             return StreamingResponse(answer.stream(outputs), media_type="text/event-stream")
@@ -173,10 +179,13 @@ class Replica:
     def _load(self) -> LoadReport:
         engine = self.engine
         return LoadReport(
-            engine.num_running, engine.num_waiting, engine.queued_prefill_tokens,
-            free_blocks=engine.free_blocks, adapters=engine.adapters.resident,
+            engine.num_running,
+            engine.num_waiting,
+            engine.queued_prefill_tokens,
+            free_blocks=engine.free_blocks,
+            adapters=engine.adapters.resident,
             free_adapter_slots=engine.adapters.free_slots,
-        )  # fmt: skip
+        )
 
     def reset(self) -> bool:
         """Empty the cache and the statistics; refused (``False``) while requests run."""

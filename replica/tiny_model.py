@@ -128,10 +128,16 @@ def _write_tokenizer(folder: Path, config: TinyModelConfig) -> dict[str, Any]:
         single=f"{BOS} $A", special_tokens=[(BOS, ids[BOS])]
     )
     tokenizer.save(str(folder / "tokenizer.json"))
-    _write_json(folder / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOT,
-        "model_max_length": config.max_position_embeddings, "clean_up_tokenization_spaces": False,
-    })  # fmt: skip
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOT,
+            "model_max_length": config.max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return ids
 
@@ -217,8 +223,11 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     blobs, offset = [], 0
     for name, array in tensors.items():
         data = _bfloat16(array).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(data)]}  # fmt: skip
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -260,8 +269,15 @@ def write_tiny_lora(folder: Path, model: Path, rank: int = 8, seed: int = 1) -> 
             tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.02, (width, rank))
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(folder / "adapter_model.safetensors", tensors)
-    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-               "lora_dropout": 0.0, "bias": "none", "target_modules": list(outputs),
-               "base_model_name_or_path": str(model)}  # fmt: skip
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(outputs),
+        "base_model_name_or_path": str(model),
+    }
     _write_json(folder / "adapter_config.json", adapter)
     return folder

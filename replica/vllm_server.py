@@ -41,9 +41,14 @@ KV_TOPIC = "kv-events"
 #: its own default, 128, would make cache hits coarse), a KV cache of 256 MB (unless told,
 #: it reserves 92% of a NUMA node's memory), and a context that fits that cache.
 CPU_DEFAULTS = (
-    "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", "256M",
-    "--max-model-len", "8192",
-)  # fmt: skip
+    "--enforce-eager",
+    "--block-size",
+    "32",
+    "--kv-cache-memory-bytes",
+    "256M",
+    "--max-model-len",
+    "8192",
+)
 #: The CPU build's environment: threads left unpinned (pinned, several servers on one
 #: machine fight for the same cores).
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -162,12 +167,22 @@ class VLLMServer:
             "topic": KV_TOPIC,
         }
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.config.model, "--host", self.host, "--port", str(self.ports.http),
-            "--kv-events-config", json.dumps(events), "--enable-prompt-tokens-details",
-            "--disable-uvicorn-access-log", *(CPU_DEFAULTS if cpu_build() else ()),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.config.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.ports.http),
+            "--kv-events-config",
+            json.dumps(events),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            *(CPU_DEFAULTS if cpu_build() else ()),
             *self.config.engine_args,
-        ]  # fmt: skip
+        ]
 
     def environment(self, workdir: Path) -> dict[str, str]:
         env = {**os.environ, **(CPU_ENV if cpu_build() else {})}
@@ -227,8 +242,9 @@ class VLLMServer:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"vLLM server {self.url} stopped while starting: "
-                                   f"{self.log_tail()}")  # fmt: skip
+                raise RuntimeError(
+                    f"vLLM server {self.url} stopped while starting: {self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return

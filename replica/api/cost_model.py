@@ -276,9 +276,11 @@ class Roofline:
 
     def __post_init__(self) -> None:
         efficiencies = (
-            self.compute_efficiency, self.attention_efficiency,
-            self.memory_efficiency, self.kv_read_efficiency,
-        )  # fmt: skip
+            self.compute_efficiency,
+            self.attention_efficiency,
+            self.memory_efficiency,
+            self.kv_read_efficiency,
+        )
         if not all(0 < e <= 1 for e in efficiencies):
             raise ValueError("efficiencies must lie in (0, 1]")
 
@@ -304,10 +306,16 @@ class Roofline:
             kv_token_s=self.kv_bytes_per_token / (self.hbm_bytes_per_s * self.kv_read_efficiency),
         )
         return CostProfile(
-            self.name, costs, self.kv_bytes_per_token, self.weight_bytes, self.host_link,
-            self.num_gpus, self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes,
+            self.name,
+            costs,
+            self.kv_bytes_per_token,
+            self.weight_bytes,
+            self.host_link,
+            self.num_gpus,
+            self.gpu_memory_bytes,
+            host_memory_bytes=self.host_memory_bytes,
             lora_bytes_per_rank=self.lora_bytes_per_rank,
-        )  # fmt: skip
+        )
 
     def layers_only(self) -> Roofline:
         """The transformer layers alone, as Vidur times a model: no embedding, no LM
@@ -317,9 +325,12 @@ class Roofline:
         the CPU's work per sequence."""
         layer_params = self.num_params - 2 * self.lm_head_params
         return replace(
-            self, num_params=layer_params, vocab_size=0, step_overhead_s=0.0,
+            self,
+            num_params=layer_params,
+            vocab_size=0,
+            step_overhead_s=0.0,
             weight_bytes=self.weight_bytes * layer_params / self.num_params,
-        )  # fmt: skip
+        )
 
 
 def _llama3_kv_bytes(num_layers: int) -> int:

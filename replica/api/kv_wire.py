@@ -25,9 +25,18 @@ from replica.api.tokenizer import TOKEN_DTYPE
 
 #: The fields of vLLM's events, in their declaration order (positional encodings).
 STORED_FIELDS = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-)  # fmt: skip
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
@@ -76,9 +85,15 @@ def _vllm_event(event: KVEvent, block_size: int) -> KVCacheEvent:
         tokens = np.frombuffer(event.token_bytes, dtype=TOKEN_DTYPE).tolist()
         hashes = list(event.block_hashes)
         return BlockStored(
-            hashes, event.parent_hash, tokens, block_size, None, event.medium, event.lora,
+            hashes,
+            event.parent_hash,
+            tokens,
+            block_size,
+            None,
+            event.medium,
+            event.lora,
             _extra_keys(event),
-        )  # fmt: skip
+        )
     if event.kind == "removed":
         return BlockRemoved(list(event.block_hashes), event.medium)
     return AllBlocksCleared()

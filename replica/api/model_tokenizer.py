@@ -169,9 +169,11 @@ def _template_text(chat_template: str) -> str:
     if path.is_file():
         return path.read_text()
     if not any(c in chat_template for c in JINJA_CHARS):
-        raise ValueError(f"chat template {chat_template!r} looks like a file's path, but "
-                         "there is no such file: give an existing .jinja file or the "
-                         "template's text")  # fmt: skip
+        raise ValueError(
+            f"chat template {chat_template!r} looks like a file's path, but "
+            "there is no such file: give an existing .jinja file or the "
+            "template's text"
+        )
     return chat_template
 
 

@@ -80,8 +80,7 @@ class _Sampling(BaseModel):
     def _bias_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         wrong = [k for k in bias or {} if not k.isdigit() or int(k) > MAX_TOKEN_ID]
         if wrong:
-            raise ValueError(f"token_id(s) {wrong} in logit_bias are not token ids in "
-                             "[0, 2**32)")  # fmt: skip
+            raise ValueError(f"token_id(s) {wrong} in logit_bias are not token ids in [0, 2**32)")
         return bias
 
     @property
@@ -124,8 +123,10 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:  # vLLM adds the prompt's logprobs
-            raise ValueError("echo with logprobs is not supported by the simulated model "
-                             "(it has no logprobs for prompt tokens)")  # fmt: skip
+            raise ValueError(
+                "echo with logprobs is not supported by the simulated model "
+                "(it has no logprobs for prompt tokens)"
+            )
         return self
 
     def prompts(self, tokenizer: Tokenizer) -> list[np.ndarray]:

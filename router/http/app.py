@@ -1,11 +1,10 @@
 """The gateway's HTTP face: the OpenAI API in front of a fleet, and its admin endpoints.
 
-Each completion request is read (413 beyond the limits; see ``router/path/envelope.py`` for
-how little the gateway checks), authenticated (its tenant's salt seeds its block
-identities), tokenized with the replicas' tokenizer and chat template, and handed to
-the request path (``router/path/upstream.py``). Handlers find the gateway in
-``request.app.state``; the app's lifespan owns the pooled HTTP client, the backends'
-watchers and Ray discovery.
+Each completion request is handed whole to the gateway's request path
+(``Gateway.handle``: read, resolve, admit, place, dispatch, settle; see
+``router/gateway.py``); what is here is HTTP: the schema, errors, the admin and
+monitoring endpoints. Handlers find the gateway in ``request.app.state``; the app's
+lifespan owns the pooled HTTP client, the backends' watchers and Ray discovery.
 """
 
 from __future__ import annotations
