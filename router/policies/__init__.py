@@ -1,6 +1,7 @@
 """Routing policies, chosen by name from a registry; one small module per family.
 
-- ``base``: the knobs and the ``Policy`` base (the types they read: ``router/core.py``);
+- ``base``: the ``Policy`` base (the types it reads: ``router/core.py``);
+- ``config``: the knobs of every policy (each family's own settings kept with it);
 - ``baselines``: round robin, random, least loaded, power of two, consistent hashing;
 - ``indexed``: the base of cache-aware policies (a prefix index);
 - ``cache_aware``: ours, precise and approximate;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.core import Clock
-from router.policies.base import Policy, PolicyConfig
+from router.policies.base import Policy
 from router.policies.baselines import (
     ConsistentHash,
     LeastLoaded,
@@ -31,6 +32,7 @@ from router.policies.cache_aware import (
     CacheAwareTierBlind,
 )
 from router.policies.cache_aware_ttft import CacheAwareTTFT
+from router.policies.config import PolicyConfig
 from router.policies.replicated import CacheAwareReplicated
 from router.policies.sglang import SGLangCacheAware
 

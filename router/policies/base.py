@@ -1,4 +1,4 @@
-"""What every policy shares: the replicas' state, the request as routed, the knobs.
+"""What every policy shares: the ``Policy`` base and what it can be asked.
 
 A policy is a small class: ``choose(request, replicas)`` returns one of the
 replicas; ``on_dispatch`` and ``on_complete`` keep its state. The router counts each
@@ -10,124 +10,17 @@ random generator are passed in, never global.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from replica.api.cost_model import get_profile
-from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
 from router.core import Clock, ReplicaState, RoutingRequest
-from router.index.prefix_index import IndexConfig, PrefixIndex
+from router.index.prefix_index import PrefixIndex
 
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of every policy; each reads the ones it needs."""
-
-    #: Tokens per KV block of the fleet's engines (the router must hash as they do).
-    block_size: int = DEFAULT_BLOCK_SIZE
-    #: The model the fleet serves: it seeds the router's keys, as it seeds the engines'
-    #: identities. Set by the config that embeds this one (the gateway's, the replay's).
-    model: str = field(default=DEFAULT_MODEL, metadata={"flag": False})
-    index: IndexConfig = field(default_factory=IndexConfig)
-    #: cache_aware: prefill tokens one running request weighs, to put queued prefill
-    #: and running sequences in one unit (its decode steps slow the replica's batch).
-    running_request_tokens: float = 256.0
-    #: cache_aware: what an uncached prompt token costs, relative to a queued one. A
-    #: queued token delays only this request; a token computed again is GPU work that
-    #: every request queued after it waits for. A token of a popular prefix (shared by
-    #: many recent requests, like a system prompt) weighs ``recompute_weight``: copying
-    #: it to another replica is paid once and serves every later request there. A token
-    #: of the conversation's own history weighs ``private_recompute_weight``: moving it
-    #: is paid again on every move, and leaves a stale copy behind.
-    recompute_weight: float = 4.0
-    private_recompute_weight: float = 16.0
-    #: cache_aware: a prefix is popular once this many recent requests passed through
-    #: it (more than the turns of most conversations).
-    popular_requests: int = 16
-    #: cache_aware_replicated: a hot prefix's share of requests is counted over this
-    #: half-life; its replication set has ``replication_headroom`` times the replicas'
-    #: worth of traffic it brings (router/policies/replicated.py).
-    replication_half_life_s: float = 30.0
-    replication_headroom: float = 1.0
-    #: cache_aware: what a token held in a replica's host tier costs, in prefill tokens:
-    #: loading its KV over PCIe against computing it. Llama-3-8B moves 128 KiB a token,
-    #: 2.6 us at 50 GB/s (PCIe 5) against 23 us of prefill on an H100 (0.11), 5.2 us at
-    #: 25 GB/s (PCIe 4) against 74 us on an A100 (0.07): see replica/api/cost_model.py.
-    host_token_cost: float = 0.1
-    #: cache_aware: a cold prefix may go to any replica within this much work of the
-    #: least loaded; among them the rendezvous choice wins, so routers agree.
-    cold_slack_tokens: float = 512.0
-    #: cache_aware: bounded loads, made soft: a replica holding more than ``load_bound``
-    #: times the fleet's mean outstanding requests weighs ``overflow_tokens`` more per
-    #: request beyond it. A short prefix moves away; a long private history may stay.
-    load_bound: float = 1.5
-    overflow_tokens: float = 2048.0
-    #: cache_aware: what running a request's LoRA adapter costs where no GPU slot holds
-    #: it, in prefill tokens, where the replica says its slots: a copy into a free slot
-    #: (1.7 ms for rank 16 on Llama-3-8B over PCIe 5, about 75 tokens of an H100's
-    #: prefill), or, with every slot's adapter running, a wait until one's requests have
-    #: all finished: a few hundred decode steps, seconds (2.5 s is 100k tokens of an
-    #: H100's prefill), which outweighs moving any history. On the mixed workload of
-    #: docs/results.md, 8k, 32k and 128k gave its adapters a TTFT p99 of 5.9, 4.0, 2.5 s.
-    adapter_load_tokens: float = 128.0
-    adapter_wait_tokens: float = 131072.0
-    #: cache_aware_ttft: the cost profile its seconds come from, a built-in name or a
-    #: calibrated profile file (``prefix-router calibrate``); empty: the engines' (the
-    #: replayer's ``--profile``; a gateway's: the simulated replica's default).
-    cost_profile: str = ""
-    #: cache_aware_ttft: prefill tokens an engine computes per step (vLLM's
-    #: ``max_num_batched_tokens``): a queue of them takes that many steps, each
-    #: carrying the replica's running sequences. 0: the engines' (the replayer's
-    #: ``--max-num-batched-tokens``; a gateway's: the simulated replica's, 8,192).
-    step_token_budget: int = 0
-    #: sglang_cache_aware: SGLang router's defaults.
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    #: SGLang's tree holds up to 2**26 characters per worker (about 4 per token).
-    sglang_max_tree_tokens: int = 2**26 // 4
-
-    def for_engines(self, profile: str, step_token_budget: int) -> PolicyConfig:
-        """These knobs with the seconds priced as the fleet's engines run, unless set."""
-        return replace(
-            self,
-            cost_profile=self.cost_profile or profile,
-            step_token_budget=self.step_token_budget or step_token_budget,
-        )
-
-    @property
-    def stride_tokens(self) -> int:
-        """Tokens between two hashed block boundaries (the router's unit of prefix)."""
-        return self.block_size * self.index.stride
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not 0 <= self.cache_threshold <= 1:
-            raise ValueError("cache_threshold must lie in [0, 1]")
-        if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
-            raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
-        if self.host_token_cost < 0:
-            raise ValueError("host_token_cost must not be negative")
-        if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
-            raise ValueError("recompute_weight and private_recompute_weight must be positive")
-        if self.step_token_budget < 0:
-            raise ValueError(
-                f"step_token_budget must not be negative, got {self.step_token_budget}"
-            )
-        if self.cost_profile:
-            try:
-                get_profile(self.cost_profile)  # read once here, so a bad one fails at start
-            except ValueError as error:
-                raise ValueError(f"--cost-profile: {error}") from None
-        if self.replication_half_life_s <= 0 or self.replication_headroom <= 0:
-            raise ValueError("replication_half_life_s and replication_headroom must be positive")
-        if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
-            raise ValueError("load_bound must be at least 1, overflow_tokens not negative "
-                             "and popular_requests positive")  # fmt: skip
+if TYPE_CHECKING:  # the knobs of every policy, each policy's with it
+    from router.policies.config import PolicyConfig
 
 
 @dataclass(frozen=True)

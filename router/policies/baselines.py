@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from router.core import Clock, ReplicaState, RoutingRequest
-from router.policies.base import Policy, PolicyConfig
+from router.policies.base import Policy
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
 
 
 class RoundRobin(Policy):

@@ -4,17 +4,75 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig, PrefixPopularity
-from router.policies.base import PolicyConfig
 from router.policies.baselines import rendezvous, rendezvous_key
 from router.policies.indexed import IndexedPolicy
 from router.policies.load_order import Load, LoadOrder
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """``cache_aware``'s knobs (and those of the policies built on it), in prefill tokens."""
+
+    #: What one running request weighs, to put queued prefill and running sequences
+    #: in one unit (its decode steps slow the replica's batch).
+    running_request_tokens: float = 256.0
+    #: What an uncached prompt token costs, relative to a queued one. A queued token
+    #: delays only this request; a token computed again is GPU work that every request
+    #: queued after it waits for. A token of a popular prefix (shared by many recent
+    #: requests, like a system prompt) weighs ``recompute_weight``: copying it to
+    #: another replica is paid once and serves every later request there. A token of
+    #: the conversation's own history weighs ``private_recompute_weight``: moving it is
+    #: paid again on every move, and leaves a stale copy behind.
+    recompute_weight: float = 4.0
+    private_recompute_weight: float = 16.0
+    #: A prefix is popular once this many recent requests passed through it (more
+    #: than the turns of most conversations).
+    popular_requests: int = 16
+    #: What a token held in a replica's host tier costs: loading its KV over PCIe
+    #: against computing it. Llama-3-8B moves 128 KiB a token, 2.6 us at 50 GB/s (PCIe
+    #: 5) against 23 us of prefill on an H100 (0.11), 5.2 us at 25 GB/s (PCIe 4)
+    #: against 74 us on an A100 (0.07): see replica/api/cost_model.py.
+    host_token_cost: float = 0.1
+    #: A cold prefix may go to any replica within this much work of the least loaded;
+    #: among them the rendezvous choice wins, so routers agree.
+    cold_slack_tokens: float = 512.0
+    #: Bounded loads, made soft: a replica holding more than ``load_bound`` times the
+    #: fleet's mean outstanding requests weighs ``overflow_tokens`` more per request
+    #: beyond it. A short prefix moves away; a long private history may stay.
+    load_bound: float = 1.5
+    overflow_tokens: float = 2048.0
+    #: What running a request's LoRA adapter costs where no GPU slot holds it, where
+    #: the replica says its slots: a copy into a free slot (1.7 ms for rank 16 on
+    #: Llama-3-8B over PCIe 5, about 75 tokens of an H100's prefill), or, with every
+    #: slot's adapter running, a wait until one's requests have all finished: a few
+    #: hundred decode steps, seconds (2.5 s is 100k tokens of an H100's prefill), which
+    #: outweighs moving any history. On the mixed workload of docs/results.md, 8k, 32k
+    #: and 128k gave its adapters a TTFT p99 of 5.9, 4.0, 2.5 s.
+    adapter_load_tokens: float = 128.0
+    adapter_wait_tokens: float = 131072.0
+
+    def __post_init__(self) -> None:
+        if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
+            raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
+        if self.host_token_cost < 0:
+            raise ValueError("host_token_cost must not be negative")
+        if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
+            raise ValueError("recompute_weight and private_recompute_weight must be positive")
+        if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
+            raise ValueError(
+                "load_bound must be at least 1, overflow_tokens not negative "
+                "and popular_requests positive"
+            )
 
 
 class CacheAware(IndexedPolicy):
@@ -161,11 +219,11 @@ class CacheAware(IndexedPolicy):
 
     def _held_cost(self, prompt: int, popular: int, gpu: int, host: int) -> float:
         """The work of a replica holding ``gpu`` leading tokens, then ``host`` more."""
-        loading = self.config.host_token_cost * host if host else 0.0
+        loading = self.config.cache_aware.host_token_cost * host if host else 0.0
         return self._recompute_cost(prompt, popular, gpu + host) + loading
 
     def _cold_slack(self) -> float:
-        return self.config.cold_slack_tokens
+        return self.config.cache_aware.cold_slack_tokens
 
     # ------------------------------------------------------------ sessions
 
@@ -197,8 +255,8 @@ class CacheAware(IndexedPolicy):
         if loaded is None or adapter in loaded:
             return 0.0
         if replica.free_adapter_slots == 0:
-            return self.config.adapter_wait_tokens
-        return self.config.adapter_load_tokens
+            return self.config.cache_aware.adapter_wait_tokens
+        return self.config.cache_aware.adapter_load_tokens
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
         """What ``replica``'s load (its queued prefill tokens and requests) does not
@@ -220,22 +278,28 @@ class CacheAware(IndexedPolicy):
     def popular_tokens(self, request: RoutingRequest) -> int:
         """Leading tokens of the request that many recent requests shared."""
         config = self.config
-        depth = self.popularity.depth(request.stride_hashes, config.popular_requests)
+        depth = self.popularity.depth(request.stride_hashes, config.cache_aware.popular_requests)
         return min(depth * config.block_size * config.index.stride, request.num_prompt_tokens)
 
     def _recompute_cost(self, prompt: int, popular: int, cached: int) -> float:
         """Uncached tokens, those of the popular prefix and the request's own apart."""
         shared = max(0, popular - cached)
         own = prompt - max(popular, cached)
-        return self.config.recompute_weight * shared + self.config.private_recompute_weight * own
+        return (
+            self.config.cache_aware.recompute_weight * shared
+            + self.config.cache_aware.private_recompute_weight * own
+        )
 
     def _load_function(self, requests: int, replicas: int) -> Load:
         """A replica's load in prefill tokens: its queued prefill, its requests, and
         those beyond the bound of ``load_bound`` times the fleet's mean (which counts
         this request)."""
         config = self.config
-        cap = config.load_bound * (requests + 1) / replicas
-        per_request, overflow = config.running_request_tokens, config.overflow_tokens
+        cap = config.cache_aware.load_bound * (requests + 1) / replicas
+        per_request, overflow = (
+            config.cache_aware.running_request_tokens,
+            config.cache_aware.overflow_tokens,
+        )
 
         def load_of(prefill: int, held: int) -> float:
             queued = prefill + per_request * held

@@ -4,13 +4,14 @@ request's first token on each replica, from the engines' cost profile."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from replica.api.config import DEFAULT_PROFILE, ReplicaConfig
 from replica.api.cost_model import CostProfile, attention_pairs, get_profile
 from router.core import Clock, ReplicaState, RoutingRequest
-from router.policies.base import PolicyConfig
 from router.policies.cache_aware import CacheAware
 from router.policies.load_order import Load
 
@@ -18,6 +19,35 @@ from router.policies.load_order import Load
 DEFAULT_STEP_TOKEN_BUDGET = ReplicaConfig.max_num_batched_tokens
 #: Weight of each finished request in the running mean of requests' lifetimes.
 LIFETIME_SMOOTHING = 0.05
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class TTFTConfig:
+    """``cache_aware_ttft``'s knobs: where its seconds come from."""
+
+    #: The cost profile, a built-in name or a calibrated profile file (``prefix-router
+    #: calibrate``); empty: the engines' (the replayer's ``--profile``; a gateway's: the
+    #: simulated replica's default).
+    cost_profile: str = ""
+    #: Prefill tokens an engine computes per step (vLLM's ``max_num_batched_tokens``):
+    #: a queue of them takes that many steps, each carrying the replica's running
+    #: sequences. 0: the engines' (the replayer's ``--max-num-batched-tokens``; a
+    #: gateway's: the simulated replica's, 8,192).
+    step_token_budget: int = 0
+
+    def __post_init__(self) -> None:
+        if self.step_token_budget < 0:
+            raise ValueError(
+                f"step_token_budget must not be negative, got {self.step_token_budget}"
+            )
+        if self.cost_profile:
+            try:
+                get_profile(self.cost_profile)  # read once here, so a bad one fails at start
+            except ValueError as error:
+                raise ValueError(f"--cost-profile: {error}") from None
 
 
 class CacheAwareTTFT(CacheAware):
@@ -66,8 +96,8 @@ class CacheAwareTTFT(CacheAware):
     prices_every_replica = True
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
-        self.profile: CostProfile = get_profile(config.cost_profile or DEFAULT_PROFILE)
-        self.step_tokens = config.step_token_budget or DEFAULT_STEP_TOKEN_BUDGET
+        self.profile: CostProfile = get_profile(config.ttft.cost_profile or DEFAULT_PROFILE)
+        self.step_tokens = config.ttft.step_token_budget or DEFAULT_STEP_TOKEN_BUDGET
         #: Seconds from dispatch to completion, as a running mean over the fleet.
         self.lifetime_s: float | None = None
         self._dispatched_at: dict[str, float] = {}
@@ -102,8 +132,8 @@ class CacheAwareTTFT(CacheAware):
 
     def _load_function(self, requests: int, replicas: int) -> Load:
         """The queue ahead and the bound's overflow, in seconds."""
-        cap = self.config.load_bound * (requests + 1) / replicas
-        overflow_s = self.config.overflow_tokens * self._token_s
+        cap = self.config.cache_aware.load_bound * (requests + 1) / replicas
+        overflow_s = self.config.cache_aware.overflow_tokens * self._token_s
 
         def load_of(prefill: int, held: int) -> float:
             queued = self._queue_s(prefill, held)
@@ -117,8 +147,8 @@ class CacheAwareTTFT(CacheAware):
         shared = max(0, popular - cached)
         private = prompt - max(popular, cached)
         config = self.config
-        reuse = (config.recompute_weight - 1) * shared + (
-            config.private_recompute_weight - 1
+        reuse = (config.cache_aware.recompute_weight - 1) * shared + (
+            config.cache_aware.private_recompute_weight - 1
         ) * private
         return self._prefill_s(cached, prompt - cached) + self._token_s * reuse
 
@@ -127,7 +157,7 @@ class CacheAwareTTFT(CacheAware):
         return self._recompute_cost(prompt, popular, gpu + host) + loading
 
     def _cold_slack(self) -> float:
-        return self.config.cold_slack_tokens * self._token_s
+        return self.config.cache_aware.cold_slack_tokens * self._token_s
 
     def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
         return super()._adapter_cost(adapter, replica) * self._token_s

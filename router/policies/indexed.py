@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from replica.api.kv_events import KVEvent
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig, PrefixIndex
-from router.policies.base import Policy, PolicyConfig
+from router.policies.base import Policy
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
 
 
 class IndexedPolicy(Policy):

@@ -21,17 +21,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from router.core import Clock, ReplicaState, RoutingRequest
-from router.policies.base import HotSet, PolicyConfig
+from router.policies.base import HotSet
 from router.policies.baselines import rendezvous_order
 from router.policies.cache_aware import CacheAware
 
 #: A set shrinks only once the prefix's replicas' worth of traffic is this far below
 #: its size less one (a set of k replicas holds for shares down to (k - 1.5) / n).
 SHRINK_MARGIN = 0.5
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """``cache_aware_replicated``'s knobs: a hot prefix's share of requests is counted
+    over ``replication_half_life_s``; its replication set has ``replication_headroom``
+    times the replicas' worth of traffic it brings."""
+
+    replication_half_life_s: float = 30.0
+    replication_headroom: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.replication_half_life_s <= 0 or self.replication_headroom <= 0:
+            raise ValueError("replication_half_life_s and replication_headroom must be positive")
 
 
 class HotSets:
@@ -102,7 +121,11 @@ class CacheAwareReplicated(CacheAware):
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         super().__init__(config, clock, rng)
-        self.hot = HotSets(clock, config.replication_half_life_s, config.replication_headroom)
+        self.hot = HotSets(
+            clock,
+            config.replication.replication_half_life_s,
+            config.replication.replication_headroom,
+        )
         self._orders: dict[int, tuple[int, list[ReplicaState]]] = {}  # key -> fleet, order
         self._fleet_version = 0
         #: The request last priced and its hot prefix's key: its dispatch comes next,
@@ -115,7 +138,7 @@ class CacheAwareReplicated(CacheAware):
         return stride_hashes[depth - 1] if depth else None
 
     def _popular_depth(self, stride_hashes: Sequence[int]) -> int:
-        return self.popularity.depth(stride_hashes, self.config.popular_requests)
+        return self.popularity.depth(stride_hashes, self.config.cache_aware.popular_requests)
 
     def replication_set(self, key: int) -> list[ReplicaState]:
         """The replicas a hot prefix is on now, its set's size brought up to date

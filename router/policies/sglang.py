@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from router.core import ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig
-from router.policies.base import PolicyConfig
 from router.policies.indexed import IndexedPolicy
+
+if TYPE_CHECKING:
+    from router.policies.config import PolicyConfig
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """``sglang_cache_aware``'s knobs: SGLang router's defaults."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    #: SGLang's tree holds up to 2**26 characters per worker (about 4 per token).
+    sglang_max_tree_tokens: int = 2**26 // 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("cache_threshold must lie in [0, 1]")
 
 
 class SGLangCacheAware(IndexedPolicy):
@@ -34,13 +52,13 @@ class SGLangCacheAware(IndexedPolicy):
         matched = self._matches(request, replicas)
         loads = [r.outstanding_requests for r in replicas]
         high, low = max(loads), min(loads)
-        config = self.config
-        if high - low > config.balance_abs_threshold and high > config.balance_rel_threshold * low:
+        knobs = self.config.sglang
+        if high - low > knobs.balance_abs_threshold and high > knobs.balance_rel_threshold * low:
             chosen = self._least_loaded(replicas)
         else:
             best = max(replicas, key=lambda r: matched.get(r.replica_id, 0))
             rate = matched.get(best.replica_id, 0) / request.num_prompt_tokens
-            if rate > config.cache_threshold:
+            if rate > knobs.cache_threshold:
                 chosen = best
             else:
                 chosen = min(replicas, key=lambda r: self.index.num_entries(r.replica_id))
@@ -48,4 +66,4 @@ class SGLangCacheAware(IndexedPolicy):
         return chosen
 
     def _index_capacity(self, replica: ReplicaState) -> int:
-        return self.config.sglang_max_tree_tokens // self.config.block_size
+        return self.config.sglang.sglang_max_tree_tokens // self.config.block_size

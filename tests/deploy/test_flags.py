@@ -1,6 +1,7 @@
 """Flags from config dataclasses: nested configs flatten into one set of flags."""
 
 import argparse
+import shlex
 
 import pytest
 
@@ -15,12 +16,10 @@ def gateway_args(*flags: str) -> argparse.Namespace:
 
 
 def test_nested_routing_knobs_take_flat_flags():
-    config = config_from_args(
-        GatewayConfig, gateway_args("--stride", "8", "--recompute-weight", "2", "--policy",
-                                    "round_robin", "--block-size", "32")
-    )  # fmt: skip
+    flags = shlex.split("--stride 8 --recompute-weight 2 --policy round_robin --block-size 32")
+    config = config_from_args(GatewayConfig, gateway_args(*flags))
     assert config.policy == "round_robin"
-    assert config.routing.index.stride == 8 and config.routing.recompute_weight == 2.0
+    assert config.routing.index.stride == 8 and config.routing.cache_aware.recompute_weight == 2.0
     assert config.routing.block_size == 32 and config.routing.stride_tokens == 256
     assert config.routing.index.mode == "precise"  # set by the policy: no flag
 
@@ -37,7 +36,8 @@ def test_gateway_and_replay_share_one_policy_config():
 
 
 def test_config_flags_read_back_as_the_same_overrides():
-    overrides = {"routing": {"index": {"stride": 2}, "cold_slack_tokens": 64.0}, "max_retries": 0}
+    routing = {"index": {"stride": 2}, "cache_aware": {"cold_slack_tokens": 64.0}}
+    overrides = {"routing": routing, "max_retries": 0}
     args = gateway_args(*config_flags(overrides))
     assert config_overrides(args, GatewayConfig) == overrides
 

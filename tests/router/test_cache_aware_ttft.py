@@ -16,7 +16,10 @@ from tests.shared import FakeClock, prompt
 
 def ttft_policy(clock: FakeClock | None = None, **config):
     return make_policy(
-        "cache_aware_ttft", clock or FakeClock(), np.random.default_rng(0), PolicyConfig(**config)
+        "cache_aware_ttft",
+        clock or FakeClock(),
+        np.random.default_rng(0),
+        PolicyConfig.of(**config),
     )
 
 
@@ -92,11 +95,11 @@ def test_it_moves_a_short_history_off_a_replica_whose_kv_is_full():
 
 def test_it_prices_with_the_engines_profile_or_a_calibrated_file(tmp_path):
     fleet_config = ReplayConfig(profile="llama3-8b-a100", max_num_batched_tokens=2048)
-    assert fleet_config.routing.cost_profile == "llama3-8b-a100"
-    assert fleet_config.routing.step_token_budget == 2048
+    assert fleet_config.routing.ttft.cost_profile == "llama3-8b-a100"
+    assert fleet_config.routing.ttft.step_token_budget == 2048
     path = tmp_path / "calibrated.json"
     PROFILES["llama3-8b-a100"].save(path)
     assert ttft_policy(cost_profile=str(path)).profile == PROFILES["llama3-8b-a100"]
     assert ttft_policy().profile == PROFILES["llama3-8b-h100"]  # the simulated replica's
     with pytest.raises(ValueError, match="--cost-profile: unknown cost profile 'h200'"):
-        PolicyConfig(cost_profile="h200")
+        PolicyConfig.of(cost_profile="h200")

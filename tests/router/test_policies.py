@@ -25,7 +25,7 @@ def fleet(n: int = 4, capacity: int = 4096) -> list[ReplicaState]:
 
 
 def policy(name: str, seed: int = 0, **config):
-    made = make_policy(name, FakeClock(), np.random.default_rng(seed), PolicyConfig(**config))
+    made = make_policy(name, FakeClock(), np.random.default_rng(seed), PolicyConfig.of(**config))
     return made
 
 
@@ -42,10 +42,17 @@ def complete(pol, req: RoutingRequest, replica: ReplicaState) -> None:
 
 def test_every_policy_is_registered_by_name():
     assert set(POLICIES) >= {
-        "round_robin", "random", "least_loaded", "power_of_two", "consistent_hash",
-        "sglang_cache_aware", "cache_aware", "cache_aware_approx", "cache_aware_tier_blind",
+        "round_robin",
+        "random",
+        "least_loaded",
+        "power_of_two",
+        "consistent_hash",
+        "sglang_cache_aware",
+        "cache_aware",
+        "cache_aware_approx",
+        "cache_aware_tier_blind",
         "cache_aware_ttft",
-    }  # fmt: skip
+    }
     with pytest.raises(ValueError, match="unknown policy"):
         policy("fastest")
 
@@ -215,12 +222,9 @@ def test_sglang_cache_aware_sends_low_matches_to_the_smallest_tree():
 
 
 def test_sglang_cache_aware_uses_sglang_defaults():
-    config = PolicyConfig()
-    assert (config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold) == (
-        0.3,
-        64,
-        1.5,
-    )
+    config = PolicyConfig().sglang
+    defaults = (config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
+    assert defaults == (0.3, 64, 1.5)
 
 
 def held_events(tokens: np.ndarray, medium: str, seq: int = 1) -> list[KVEvent]:
@@ -300,3 +304,13 @@ def test_a_session_leaves_an_overloaded_home_and_precise_replicas_are_known_by_e
         precise.on_replica_added(replica)
     precise.on_kv_events(elsewhere, held_events(history[:1024], "GPU"))
     assert precise.choose(turn, replicas) is elsewhere
+
+
+def test_each_policy_reads_its_own_settings_set_by_their_flags_names():
+    config = PolicyConfig.of(stride=8, recompute_weight=2.0, cache_threshold=0.5)
+    assert config.index.stride == 8 and config.cache_aware.recompute_weight == 2.0
+    assert config.sglang.cache_threshold == 0.5 and config.replication == PolicyConfig().replication
+    with pytest.raises(TypeError, match="no knob named nope"):
+        PolicyConfig.of(nope=1)
+    with pytest.raises(ValueError, match="cache_threshold must lie in"):
+        PolicyConfig.of(cache_threshold=2.0)

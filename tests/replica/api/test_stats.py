@@ -12,14 +12,18 @@ from replica.api.stats import CacheFigures, ReplicaStats
 from router.config import GatewayConfig
 from router.index.prefix_index import IndexConfig
 from router.policies import PolicyConfig
+from router.policies.cache_aware import CacheAwareConfig
 from router.stats import BackendStats, GatewayStats, PolicyCounts, TenantStats
 
 counts = st.integers(0, 2**40)
 rates = st.none() | st.floats(0, 1)
 cache_figures = st.builds(
-    CacheFigures, *([counts] * 8), usage=st.floats(0, 1), token_hit_rate=rates,
+    CacheFigures,
+    *([counts] * 8),
+    usage=st.floats(0, 1),
+    token_hit_rate=rates,
     block_hit_rate=rates,
-)  # fmt: skip
+)
 replica_stats = st.builds(
     ReplicaStats,
     model=st.text(max_size=20),
@@ -47,7 +51,7 @@ gateway_stats = st.builds(
             PolicyConfig,
             block_size=st.integers(1, 64),
             index=st.builds(IndexConfig, stride=st.integers(1, 16)),
-            recompute_weight=st.floats(0.5, 64),
+            cache_aware=st.builds(CacheAwareConfig, recompute_weight=st.floats(0.5, 64)),
         ),
     ),
     backends=st.lists(
