@@ -36,13 +36,15 @@ from loadtest.workloads import ChatConfig
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES, SIM
 
-TABLE_KEYS = (
-    "label", "requests", "failures", "token_hit_rate", "host_hit_rate", "client_token_hit_rate",
-    "replay_token_hit_rate", "block_hit_rate", "evictions", "ttft_p50_s", "ttft_p90_s",
-    "ttft_p99_s", "replay_ttft_p50_s", "replay_ttft_p99_s", "e2e_p50_s", "throughput_rps",
-    "imbalance", "prediction_accuracy", "prediction_exact", "prediction_within_block",
-    "prediction_over", "cpu_busy",
-)  # fmt: skip
+TABLE_KEYS = tuple(
+    (
+        "label requests failures token_hit_rate host_hit_rate client_token_hit_rate "
+        "replay_token_hit_rate block_hit_rate evictions ttft_p50_s ttft_p90_s ttft_p99_s "
+        "replay_ttft_p50_s replay_ttft_p99_s e2e_p50_s throughput_rps imbalance "
+        "prediction_accuracy prediction_exact prediction_within_block prediction_over "
+        "cpu_busy"
+    ).split()
+)
 
 READING = """\
 How to read it. Each row is one policy, run live on the same seeded workload after
@@ -105,11 +107,14 @@ def add_bench_parser(commands: Any) -> None:
     )
     parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
     parser.add_argument(
-        "--fleet", action="append", default=[], metavar="MODEL=N",
+        "--fleet",
+        action="append",
+        default=[],
+        metavar="MODEL=N",
         help="repeatable, the embedded deployment's models in place of --replicas: N "
         "replicas of each; the chat workload's sessions ask for them (--chat-models), and "
         "the first model's replicas serve its --chat-adapters",
-    )  # fmt: skip
+    )
     parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -212,8 +217,10 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
     else:
         flags = _serve_flags(args)
         count = sum(parse_entry(e).replicas for e in args.fleet) if args.fleet else args.replicas
-        print(f"bench: starting {count} {args.engine} replicas, {args.gateways} "
-              "gateway(s)…", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench: starting {count} {args.engine} replicas, {args.gateways} gateway(s)…",
+            file=sys.stderr,
+        )
         with bench.embedded(count, flags, args.gateways) as urls:
             engine = "" if args.engine == SIM.name else f"{args.engine} "
             models = f" ({', '.join(args.fleet)})" if args.fleet else ""
@@ -313,16 +320,22 @@ def write_charts(
         "ttft.png": (plots.ttft_percentiles_chart, rows, "TTFT per policy"),
         "load.png": (plots.load_chart, rows, "requests per replica"),
         "hit_rate_over_time.png": (
-            timeline_plots.hit_rate_over_time_chart, timelines, "hit rate over time"
+            timeline_plots.hit_rate_over_time_chart,
+            timelines,
+            "hit rate over time",
         ),
         "ttft_over_time.png": (timeline_plots.ttft_over_time_chart, timelines, "TTFT over time"),
         "replica_load.png": (
-            timeline_plots.replica_load_chart, timelines, "outstanding requests per replica"
+            timeline_plots.replica_load_chart,
+            timelines,
+            "outstanding requests per replica",
         ),
         "cache_occupancy.png": (
-            timeline_plots.cache_occupancy_chart, timelines, "cache occupancy per replica"
+            timeline_plots.cache_occupancy_chart,
+            timelines,
+            "cache occupancy per replica",
         ),
-    }  # fmt: skip
+    }
     for name, (chart, data, _) in charts.items():
         chart(data, out / name)  # type: ignore[operator]
     return {name: title for name, (_, _, title) in charts.items()}
@@ -373,8 +386,9 @@ def _replay_lines(rows: Sequence[Row], replayed: bool) -> list[str]:
     ]
     if agree:
         tolerance = f"{bench.REPLAY_TOLERANCE * 100:.0f}"
-        lines.append(f"- Live and replayed hit rates agree within {tolerance} points: "
-                     f"{', '.join(agree)}.")  # fmt: skip
+        lines.append(
+            f"- Live and replayed hit rates agree within {tolerance} points: {', '.join(agree)}."
+        )
     if unknown:
         why = (
             "the target has no simulated twin (not every replica is one of ours, or "

@@ -35,14 +35,20 @@ class DashboardConfig:
     hot_prefix_sample_tokens: int = 256
 
     def __post_init__(self) -> None:
-        times = (self.dashboard_sample_s, self.dashboard_history_s, self.dashboard_window_s,
-                 self.dashboard_replica_timeout_s)  # fmt: skip
+        times = (
+            self.dashboard_sample_s,
+            self.dashboard_history_s,
+            self.dashboard_window_s,
+            self.dashboard_replica_timeout_s,
+        )
         if min(times) <= 0:
             raise ValueError("dashboard_*_s must be positive")
         counts = (self.hot_prefixes_shown, self.hot_prefixes_kept, self.hot_prefix_half_life)
         if min(counts) < 1 or self.hot_prefix_sample_tokens < 0:
-            raise ValueError("hot_prefixes_shown, hot_prefixes_kept and hot_prefix_half_life "
-                             "must be positive, hot_prefix_sample_tokens not negative")  # fmt: skip
+            raise ValueError(
+                "hot_prefixes_shown, hot_prefixes_kept and hot_prefix_half_life "
+                "must be positive, hot_prefix_sample_tokens not negative"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,23 +120,35 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        _at_least(1, capacity_blocks=self.capacity_blocks,
-                  max_outstanding_per_replica=self.max_outstanding_per_replica,
-                  max_request_bytes=self.max_request_bytes,
-                  max_prompt_tokens=self.max_prompt_tokens)  # fmt: skip
-        _at_least(0, max_queued=self.max_queued, max_retries=self.max_retries,
-                  retry_backoff_s=self.retry_backoff_s,
-                  tokenizer_cache_tokens=self.tokenizer_cache_tokens,
-                  key_cache_tokens=self.key_cache_tokens)  # fmt: skip
-        _positive(kv_events_interval_s=self.kv_events_interval_s,
-                  describe_interval_s=self.describe_interval_s,
-                  upstream_connect_timeout_s=self.upstream_connect_timeout_s,
-                  upstream_read_timeout_s=self.upstream_read_timeout_s,
-                  upstream_timeout_s=self.upstream_timeout_s,
-                  queue_timeout_s=self.queue_timeout_s)  # fmt: skip
+        _at_least(
+            1,
+            capacity_blocks=self.capacity_blocks,
+            max_outstanding_per_replica=self.max_outstanding_per_replica,
+            max_request_bytes=self.max_request_bytes,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+        _at_least(
+            0,
+            max_queued=self.max_queued,
+            max_retries=self.max_retries,
+            retry_backoff_s=self.retry_backoff_s,
+            tokenizer_cache_tokens=self.tokenizer_cache_tokens,
+            key_cache_tokens=self.key_cache_tokens,
+        )
+        _positive(
+            kv_events_interval_s=self.kv_events_interval_s,
+            describe_interval_s=self.describe_interval_s,
+            upstream_connect_timeout_s=self.upstream_connect_timeout_s,
+            upstream_read_timeout_s=self.upstream_read_timeout_s,
+            upstream_timeout_s=self.upstream_timeout_s,
+            queue_timeout_s=self.queue_timeout_s,
+        )
         check_fairness(self.fairness)
-        _at_least(0, fair_half_life_s=self.fair_half_life_s,
-                  fair_reserve_per_replica=self.fair_reserve_per_replica)  # fmt: skip
+        _at_least(
+            0,
+            fair_half_life_s=self.fair_half_life_s,
+            fair_reserve_per_replica=self.fair_reserve_per_replica,
+        )
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         # seconds are priced as the simulated replica runs, unless told otherwise

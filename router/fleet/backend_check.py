@@ -110,9 +110,15 @@ class BackendCheck:
         ``aiohttp.ClientError`` or ``TimeoutError`` if the backend stops answering."""
         model = card.model if card and card.model else self.model
         if card and card.model and card.model != self.model:
-            log.warning("backend %s serves model %r, the gateway %r: requests naming %r will "
-                        "be refused; start the gateway with --model %s",
-                        url, card.model, self.model, self.model, card.model)  # fmt: skip
+            log.warning(
+                "backend %s serves model %r, the gateway %r: requests naming %r will "
+                "be refused; start the gateway with --model %s",
+                url,
+                card.model,
+                self.model,
+                self.model,
+                card.model,
+            )
         reason = self.block_size_difference(card.block_size if card else None)
         if reason:
             return Verdict(False, reason)
@@ -196,8 +202,9 @@ class BackendCheck:
         anything, and whether the check could not be made (the backend refused it)."""
         text = self.canary_text(np.random.default_rng(), nonce=uuid.uuid4().hex)
         tokens = self.tokenizer.encode(text)
-        expected = set(prefix_keys(tokens[:-1], self.block_size, self.stride,
-                                   identity_seed(self.model, None)))  # fmt: skip
+        expected = set(
+            prefix_keys(tokens[:-1], self.block_size, self.stride, identity_seed(self.model, None))
+        )
         body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0}
         async with self.client.post(
             f"{url}/v1/completions",
@@ -245,6 +252,8 @@ class BackendCheck:
 def _difference(ours: list[int], theirs: list[int]) -> str | None:
     if ours == theirs:
         return None
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-                 min(len(ours), len(theirs)))  # fmt: skip
+    first = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+        min(len(ours), len(theirs)),
+    )
     return f"{len(theirs)} tokens there, {len(ours)} here, the first difference at token {first}"

@@ -65,8 +65,10 @@ def parse_backend(spec: str) -> tuple[str, KVEventsEndpoint | None]:
 def _check_url(spec: str, url: str) -> None:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"backend {spec!r}: its URL needs http:// or https:// "
-                         f"(say http://{url.split('://')[-1]})")  # fmt: skip
+        raise ValueError(
+            f"backend {spec!r}: its URL needs http:// or https:// "
+            f"(say http://{url.split('://')[-1]})"
+        )
     try:
         parts.port  # noqa: B018 (parses it: a port that is no number raises)
     except ValueError:
@@ -298,16 +300,20 @@ class BackendPool:
         """Run the join check; on disagreement, route the backend approximately."""
         assert self.check is not None
         if backend.stream is None and not await self._serves_events(backend):
-            verdict = Verdict(False, "it publishes no KV events: for vLLM, start it with "
-                              "--kv-events-config and name the endpoint (--backend "
-                              "URL,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT)")  # fmt: skip
+            verdict = Verdict(
+                False,
+                "it publishes no KV events: for vLLM, start it with "
+                "--kv-events-config and name the endpoint (--backend "
+                "URL,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT)",
+            )
         else:
             try:
                 verdict = await self.check.check(
-                    backend.url, backend.card,
+                    backend.url,
+                    backend.card,
                     attach=lambda watch: setattr(backend, "canary", watch),
                     catch_up=lambda: self._catch_up(backend),
-                )  # fmt: skip
+                )
             except (aiohttp.ClientError, TimeoutError) as error:  # it went away: on its return
                 log.info("backend %s: check interrupted (%r)", backend.url, error)
                 return

@@ -99,9 +99,10 @@ class ModelRoutes:
         """Those of ``replicas`` that can serve a request for ``served``."""
         model, adapter = served.model, served.adapter
         return [
-            r for r in replicas
+            r
+            for r in replicas
             if self.model_of(r) == model and (adapter is None or adapter in r.adapters)
-        ]  # fmt: skip
+        ]
 
     def names(self) -> list[tuple[str, str | None]]:
         """Every model and adapter the fleet serves, with each adapter's base model."""

@@ -191,10 +191,16 @@ async def models(request: Request) -> dict[str, Any]:
     """Every model the fleet serves, then the LoRA adapters, each naming its base model
     as ``parent`` (as vLLM lists them)."""
     cards = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "prefix-router",
-         "root": name, "parent": parent}
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "prefix-router",
+            "root": name,
+            "parent": parent,
+        }
         for name, parent in _gateway(request).models.names()
-    ]  # fmt: skip
+    ]
     return {"object": "list", "data": cards}
 
 
@@ -209,10 +215,12 @@ async def health(request: Request) -> Response:
     routable = [b for b in backends if b.healthy]
     if routable:
         return JSONResponse({"status": "ok", "backends": len(backends), "routable": len(routable)})
-    reason = ("no backends" if not backends
-              else f"every backend's circuit is open ({len(backends)} down)")  # fmt: skip
-    return JSONResponse({"status": reason, "backends": len(backends), "routable": 0},
-                        status_code=503)  # fmt: skip
+    reason = (
+        "no backends" if not backends else f"every backend's circuit is open ({len(backends)} down)"
+    )
+    return JSONResponse(
+        {"status": reason, "backends": len(backends), "routable": 0}, status_code=503
+    )
 
 
 @routes.get("/metrics")
@@ -311,6 +319,13 @@ async def dashboard_data(request: Request, since: float = 0.0, text: bool = Fals
     _admin_only(request)
     gateway, config = _gateway(request), request.app.state.config.dashboard
     replicas = await replica_figures(gateway, config.dashboard_replica_timeout_s)
-    view = build(gateway, request.app.state.history, replicas, time.time(), since, text,
-                 config.hot_prefixes_shown)  # fmt: skip
+    view = build(
+        gateway,
+        request.app.state.history,
+        replicas,
+        time.time(),
+        since,
+        text,
+        config.hot_prefixes_shown,
+    )
     return JSONResponse(dataclasses.asdict(view), headers={"cache-control": "no-store"})

@@ -23,15 +23,27 @@ from router.stats import PolicyCounts
 #: ``prefix_router_*`` families per (replica, policy), each read from ``PolicyCounts``.
 BY_POLICY: tuple[tuple[str, str, Callable[[PolicyCounts], int]], ...] = (
     ("routing_decisions", "Requests routed.", lambda c: c.requests),
-    ("predicted_cached_tokens", "Cached tokens the router predicted.",
-     lambda c: c.predicted_cached_tokens),
-    ("actual_cached_tokens", "Cached tokens the replicas reported.",
-     lambda c: c.actual_cached_tokens),
-    ("over_predicted_tokens", "Cached tokens predicted beyond what the replicas reported.",
-     lambda c: c.over_predicted_tokens),
-    ("under_predicted_tokens", "Cached tokens the replicas reported beyond the prediction.",
-     lambda c: c.under_predicted_tokens),
-)  # fmt: skip
+    (
+        "predicted_cached_tokens",
+        "Cached tokens the router predicted.",
+        lambda c: c.predicted_cached_tokens,
+    ),
+    (
+        "actual_cached_tokens",
+        "Cached tokens the replicas reported.",
+        lambda c: c.actual_cached_tokens,
+    ),
+    (
+        "over_predicted_tokens",
+        "Cached tokens predicted beyond what the replicas reported.",
+        lambda c: c.over_predicted_tokens,
+    ),
+    (
+        "under_predicted_tokens",
+        "Cached tokens the replicas reported beyond the prediction.",
+        lambda c: c.under_predicted_tokens,
+    ),
+)
 #: ``prefix_router_predictions{outcome}``: predictions against the replicas' figures.
 OUTCOMES: tuple[tuple[str, Callable[[PolicyCounts], int]], ...] = (
     ("exact", lambda c: c.exact_predictions),

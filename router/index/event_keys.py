@@ -65,9 +65,16 @@ class EventKeys:
             return []
         # seeded as the engine seeded it: by its adapter's name, else the model's
         seed = identity_seed(event.lora or self.model, event.salt)
-        answer = self._blocks.stored(event.parent_hash, seed, self._salt_number(event.salt),
-                                     tokens, hashes, step, self.stride,
-                                     TIER_BITS[event.medium])  # fmt: skip
+        answer = self._blocks.stored(
+            event.parent_hash,
+            seed,
+            self._salt_number(event.salt),
+            tokens,
+            hashes,
+            step,
+            self.stride,
+            TIER_BITS[event.medium],
+        )
         if answer is None:  # its parent was never seen, or already removed
             self.unkeyed += len(hashes)
             return []

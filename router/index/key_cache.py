@@ -71,8 +71,9 @@ class PrefixKeyCache:
         else:
             old_tokens, old_keys = earlier
             self._tokens -= len(old_tokens)
-            keys, kept = prefix_keys_after(tokens, self.block_size, self.stride, seed,
-                                           old_tokens, old_keys)  # fmt: skip
+            keys, kept = prefix_keys_after(
+                tokens, self.block_size, self.stride, seed, old_tokens, old_keys
+            )
             self._hits += 1
             self._kept += kept
             self._hashed += len(keys) - kept
@@ -84,8 +85,15 @@ class PrefixKeyCache:
         return keys
 
     def stats(self) -> KeyCacheStats:
-        return KeyCacheStats(len(self._prompts), self._tokens, self.max_tokens,
-                             self._hits, self._kept, self._misses, self._hashed)  # fmt: skip
+        return KeyCacheStats(
+            len(self._prompts),
+            self._tokens,
+            self.max_tokens,
+            self._hits,
+            self._kept,
+            self._misses,
+            self._hashed,
+        )
 
     def clear(self) -> None:
         self._prompts.clear()

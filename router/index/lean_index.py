@@ -76,8 +76,12 @@ class PyBlockTable:
     ) -> Stored | None:
         """Chain the event's blocks from ``parent``'s link (``None``: from ``seed``,
         under ``salt``), or ``None`` if ``parent`` is unknown."""
-        if (not 1 <= stride <= MAX_STRIDE or step < 1 or len(data) != step * len(hashes)
-                or not 1 <= tier <= _TIERS):  # fmt: skip
+        if (
+            not 1 <= stride <= MAX_STRIDE
+            or step < 1
+            or len(data) != step * len(hashes)
+            or not 1 <= tier <= _TIERS
+        ):
             raise ValueError("stored: bad stride, tier or token bytes")
         link, phase, blocks = seed, 0, self._blocks
         if parent is not None:

@@ -159,9 +159,15 @@ class Accounting:
         ttft = self.ttft.get(name)
         p50, p90 = (quantile(ttft.bounds, ttft.counts, q) if ttft else None for q in (0.5, 0.9))
         return PolicyStats(
-            counts.requests, counts.errors, counts.prompt_tokens, counts.cached_tokens,
-            counts.token_hit_rate, ttft.count if ttft else 0, p50, p90,
-        )  # fmt: skip
+            counts.requests,
+            counts.errors,
+            counts.prompt_tokens,
+            counts.cached_tokens,
+            counts.token_hit_rate,
+            ttft.count if ttft else 0,
+            p50,
+            p90,
+        )
 
     def _backend_stats(self, backend: Backend) -> BackendStats:
         state = backend.state
@@ -197,7 +203,13 @@ def _stream_stats(backend: Backend) -> KVStreamStats | None:
         return None
     latencies = list(state.latencies)
     return KVStreamStats(
-        state.endpoint.endpoint, state.batches, state.gaps, state.replayed,
-        state.resyncs, state.stale, percentile(latencies, 50), percentile(latencies, 99),
+        state.endpoint.endpoint,
+        state.batches,
+        state.gaps,
+        state.replayed,
+        state.resyncs,
+        state.stale,
+        percentile(latencies, 50),
+        percentile(latencies, 99),
         state.indexed_through,
-    )  # fmt: skip
+    )

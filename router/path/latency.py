@@ -15,8 +15,21 @@ import numpy as np
 
 #: Seconds; vLLM's time-to-first-token buckets up to 10 s (the replica's, too).
 TTFT_BUCKETS: tuple[float, ...] = (
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

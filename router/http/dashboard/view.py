@@ -188,9 +188,13 @@ def take_sample(
     for name, counts in gateway.accounting.policies.items():
         guesses = predicted.get(name, PolicyCounts())  # zeros once its backends are gone
         policies[name] = PolicySample(
-            counts.requests, counts.prompt_tokens, counts.cached_tokens,
-            guesses.predictions, guesses.close_predictions, _ttft(gateway, name),
-        )  # fmt: skip
+            counts.requests,
+            counts.prompt_tokens,
+            counts.cached_tokens,
+            guesses.predictions,
+            guesses.close_predictions,
+            _ttft(gateway, name),
+        )
     replica_samples = {}
     for backend in stats.backends:
         own = replicas.get(backend.replica_id)
@@ -265,25 +269,37 @@ def _replica_view(
     index = policy.prefix_index()
     loaded = state.loaded_adapters if state else None
     return ReplicaView(
-        name, backend.url, backend.healthy, backend.dispatched,
-        backend.outstanding_requests, backend.outstanding_prefill_tokens,
-        backend.load_requests, backend.load_prefill_tokens, rates,
-        cache.num_blocks if cache else None, cache.cached_blocks if cache else None,
-        cache.host_num_blocks if cache else None, cache.host_cached_blocks if cache else None,
+        name,
+        backend.url,
+        backend.healthy,
+        backend.dispatched,
+        backend.outstanding_requests,
+        backend.outstanding_prefill_tokens,
+        backend.load_requests,
+        backend.load_prefill_tokens,
+        rates,
+        cache.num_blocks if cache else None,
+        cache.cached_blocks if cache else None,
+        cache.host_num_blocks if cache else None,
+        cache.host_cached_blocks if cache else None,
         cache.token_hit_rate if cache else None,
         index.num_entries(name) if index else None,
-        backend.routing_mode, backend.approximate_reason,
+        backend.routing_mode,
+        backend.approximate_reason,
         gateway.models.model_of(state) if state else backend.model,
         sorted(loaded) if loaded is not None else None,
-    )  # fmt: skip
+    )
 
 
 def _tenants(stats: GatewayStats) -> list[TenantView]:
     views = []
     for name, t in sorted(stats.tenants.items()):
         blocks = sum(t.gpu_blocks.values())
-        views.append(TenantView(name, t.requests, t.errors, t.token_hit_rate, t.charged_tokens,
-                                blocks, t.gpu_blocks))  # fmt: skip
+        views.append(
+            TenantView(
+                name, t.requests, t.errors, t.token_hit_rate, t.charged_tokens, blocks, t.gpu_blocks
+            )
+        )
     return views
 
 
@@ -333,9 +349,15 @@ def _policy_views(
         counts = predicted.get(name, PolicyCounts())
         accuracy = counts.close_predictions / counts.predictions if counts.predictions else None
         views[name] = PolicyView(
-            policy.requests, policy.errors, policy.token_hit_rate, policy.ttft_p50_s,
-            policy.ttft_p90_s, counts.predictions, counts.close_predictions, accuracy,
-        )  # fmt: skip
+            policy.requests,
+            policy.errors,
+            policy.token_hit_rate,
+            policy.ttft_p50_s,
+            policy.ttft_p90_s,
+            counts.predictions,
+            counts.close_predictions,
+            accuracy,
+        )
     return views
 
 
