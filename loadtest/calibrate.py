@@ -292,8 +292,9 @@ def samples_table(result: Calibration) -> str:
         else:
             what = f"decode {sample.seqs} sequences, {sample.context:,} tokens of context"
         fitted = result.fit.predicted_s(sample)
-        lines.append(f"| {what} | {_seconds(sample.measured_s)} | {_seconds(fitted)} "
-                     f"| {residual:+.1%} |")  # fmt: skip
+        lines.append(
+            f"| {what} | {_seconds(sample.measured_s)} | {_seconds(fitted)} | {residual:+.1%} |"
+        )
     return "\n".join(lines)
 
 

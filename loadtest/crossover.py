@@ -82,8 +82,9 @@ def run_crossover(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "crossover.md").write_text(f"# prefix-router crossover\n\n{table}\n\n"
-                                          "![costs](crossover.png)\n")  # fmt: skip
+        (out / "crossover.md").write_text(
+            f"# prefix-router crossover\n\n{table}\n\n![costs](crossover.png)\n"
+        )
         crossover_chart(profiles, links, args.block_size, out / "crossover.png")
         print(f"wrote {out / 'crossover.md'}", file=sys.stderr)
     return 0

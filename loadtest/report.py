@@ -21,12 +21,13 @@ from router.path.latency import percentile
 Row = dict[str, Any]
 
 #: The row's keys, in table order (more may follow; these are never renamed).
-ROW_KEYS = (
-    "label", "policy", "workload", "replicas", "capacity_blocks", "requests", "failures",
-    "prompt_tokens", "cached_tokens", "token_hit_rate", "block_hit_rate", "evictions",
-    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "throughput_rps", "imbalance",
-    "prediction_accuracy",
-)  # fmt: skip
+ROW_KEYS = tuple(
+    (
+        "label policy workload replicas capacity_blocks requests failures prompt_tokens "
+        "cached_tokens token_hit_rate block_hit_rate evictions ttft_p50_s ttft_p90_s "
+        "ttft_p99_s e2e_p50_s throughput_rps imbalance prediction_accuracy"
+    ).split()
+)
 
 
 def replay_row(result: ReplayResult, label: str | None = None) -> Row:
@@ -216,10 +217,12 @@ def max_min_shares(demands: Sequence[float], total: float) -> list[float]:
     return shares
 
 
-TENANT_KEYS = (
-    "label", "tenant", "priority", "requests", "token_hit_rate", "ttft_p50_s", "ttft_p99_s",
-    "queue_wait_p99_s", "service_tokens",
-)  # fmt: skip
+TENANT_KEYS = tuple(
+    (
+        "label tenant priority requests token_hit_rate ttft_p50_s ttft_p99_s "
+        "queue_wait_p99_s service_tokens"
+    ).split()
+)
 
 
 def tenant_rows(rows: Sequence[Row]) -> list[Row]:

@@ -49,10 +49,22 @@ def command(workers: Sequence[str], port: int, config: SGLangRouterConfig) -> li
     # Its Prometheus exporter listens on 29000 unless told: a free port, so that two
     # routers (or another user's) never collide.
     return [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-        "--port", str(port), "--worker-urls", *workers, "--policy", config.policy,
-        "--log-level", config.log_level, "--prometheus-port", str(free_port()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        config.policy,
+        "--log-level",
+        config.log_level,
+        "--prometheus-port",
+        str(free_port()),
+    ]
 
 
 @contextlib.contextmanager
