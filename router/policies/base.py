@@ -20,7 +20,7 @@ from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:  # the knobs of every policy, each policy's with it
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 @dataclass(frozen=True)

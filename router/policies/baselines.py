@@ -12,7 +12,7 @@ from router.core import Clock, ReplicaState, RoutingRequest
 from router.policies.base import Policy
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 class RoundRobin(Policy):

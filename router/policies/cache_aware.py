@@ -16,7 +16,7 @@ from router.policies.indexed import IndexedPolicy
 from router.policies.load_order import Load, LoadOrder
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ DEFAULT_STEP_TOKEN_BUDGET = ReplicaConfig.max_num_batched_tokens
 LIFETIME_SMOOTHING = 0.05
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 @dataclass(frozen=True)

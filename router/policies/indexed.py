@@ -13,7 +13,7 @@ from router.index.prefix_index import IndexConfig, PrefixIndex
 from router.policies.base import Policy
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 class IndexedPolicy(Policy):

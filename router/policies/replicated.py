@@ -36,7 +36,7 @@ from router.policies.cache_aware import CacheAware
 SHRINK_MARGIN = 0.5
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 @dataclass(frozen=True)

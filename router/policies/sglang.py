@@ -11,7 +11,7 @@ from router.index.prefix_index import IndexConfig
 from router.policies.indexed import IndexedPolicy
 
 if TYPE_CHECKING:
-    from router.policies.config import PolicyConfig
+    from router.policies.registry import PolicyConfig
 
 
 @dataclass(frozen=True)

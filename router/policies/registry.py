@@ -1,5 +1,7 @@
-"""The knobs of every policy: what they share, and each policy's own settings, kept
-with the policy (``CacheAwareConfig`` in ``cache_aware.py``, ...).
+"""Every policy by name, and the knobs of every policy: what they share, and each
+family's own settings, kept with the family (``CacheAwareConfig`` in
+``cache_aware.py``, ...). A new policy is its module, its line in ``POLICIES`` and,
+if it has settings, its field in ``PolicyConfig``.
 
 The gateway (``GatewayConfig.routing``) and the replayer (``ReplayConfig.routing``)
 embed one and the same ``PolicyConfig``, so the bench replays a live run with exactly
@@ -13,12 +15,54 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
+from router.core import Clock
 from router.index.prefix_index import IndexConfig
-from router.policies.cache_aware import CacheAwareConfig
-from router.policies.cache_aware_ttft import TTFTConfig
-from router.policies.replicated import ReplicationConfig
-from router.policies.sglang import SGLangConfig
+from router.policies.base import Policy
+from router.policies.baselines import ConsistentHash, LeastLoaded, PowerOfTwo, Random, RoundRobin
+from router.policies.cache_aware import (
+    CacheAware,
+    CacheAwareAdapterBlind,
+    CacheAwareApproximate,
+    CacheAwareConfig,
+    CacheAwareTierBlind,
+)
+from router.policies.cache_aware_ttft import CacheAwareTTFT, TTFTConfig
+from router.policies.replicated import CacheAwareReplicated, ReplicationConfig
+from router.policies.sglang import SGLangCacheAware, SGLangConfig
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        Random,
+        LeastLoaded,
+        PowerOfTwo,
+        ConsistentHash,
+        SGLangCacheAware,
+        CacheAware,
+        CacheAwareTierBlind,
+        CacheAwareAdapterBlind,
+        CacheAwareApproximate,
+        CacheAwareTTFT,
+        CacheAwareReplicated,
+    )
+}
+
+
+def make_policy(
+    name: str,
+    clock: Clock,
+    rng: np.random.Generator,
+    config: PolicyConfig | None = None,
+) -> Policy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return cls(config or PolicyConfig(), clock, rng)
 
 
 @dataclass(frozen=True)
