@@ -20,14 +20,13 @@ import httpx
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deploy.engines import replica_actor
+from deploy.engines import deployment_of, replica_actor
 from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME, numbered
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from replica.api.card import EngineCard
 from replica.api.engines import read_figures
-from replica.vllm_server import VLLMConfig
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 
@@ -137,17 +136,7 @@ def up(
     for name in replica_names():
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
-    handles = [
-        replica_actor(engine)
-        .options(
-            name=name,
-            lifetime="detached",
-            get_if_exists=True,
-            **placement(engine, index, replicas, nodes),
-        )
-        .remote(engine, host)
-        for index, (name, engine) in enumerate(zip(wanted, engines, strict=True))
-    ]
+    handles = _place_replicas(engines, wanted, host, nodes)
     timeout_s = max(getattr(engine, "startup_timeout_s", 120.0) for engine in engines)
     cards = ready_cards(handles, timeout_s=timeout_s)
     fronts, _ = start_gateways(
@@ -159,15 +148,35 @@ def up(
         backends=replicas,
     )
     if autoscale is not None:
-        options = {
-            "num_cpus": REPLICA_CPUS,
-            "scheduling_strategy": "SPREAD",
-            "lifetime": "detached",
-        }
-        if isinstance(engines[0], VLLMConfig) and ray.cluster_resources().get("GPU", 0):
-            options["num_gpus"] = 1
-        start_scaler(autoscale, engines[0], host, fronts[0], options, detached=True)
+        _start_detached_scaler(autoscale, engines[0], host, fronts[0])
     return fronts, [card.url for card in cards]
+
+
+def _place_replicas(
+    engines: Sequence[EngineSpec], names: list[str], host: str | None, nodes: list[str]
+) -> list[Any]:
+    """A detached replica actor per engine, under ``names``: one already there is kept."""
+    return [
+        replica_actor(engine)
+        .options(
+            name=name,
+            lifetime="detached",
+            get_if_exists=True,
+            **placement(engine, index, len(engines), nodes),
+        )
+        .remote(engine, host)
+        for index, (name, engine) in enumerate(zip(names, engines, strict=True))
+    ]
+
+
+def _start_detached_scaler(
+    autoscale: AutoscaleConfig, engine: EngineSpec, host: str | None, gateway: str
+) -> None:
+    """The scaler, placing new replicas as ``up`` places them, outliving this process."""
+    options = {"num_cpus": REPLICA_CPUS, "scheduling_strategy": "SPREAD", "lifetime": "detached"}
+    if deployment_of(engine).takes_a_device and ray.cluster_resources().get("GPU", 0):
+        options["num_gpus"] = 1
+    start_scaler(autoscale, engine, host, gateway, options, detached=True)
 
 
 def stop_scaler() -> bool:
@@ -183,7 +192,7 @@ def placement(engine: EngineSpec, index: int, replicas: int, nodes: list[str]) -
     actors hold (a token CPU share makes it count them; with none it places them at
     random), and a restart may go to any node. vLLM: a GPU each where there are GPUs,
     else a node each (preferred, so that a restart after the node's loss goes elsewhere)."""
-    if not isinstance(engine, VLLMConfig):
+    if not deployment_of(engine).takes_a_device:
         return {"num_cpus": REPLICA_CPUS, "scheduling_strategy": "SPREAD"}
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus:

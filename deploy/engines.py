@@ -9,8 +9,9 @@ actor (``deploy/replicas.py``) and its line here.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from replica.api.engines import SIM, VLLM, EngineKind
 from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from replica.engine import EngineConfig
-from replica.vllm_server import VLLMConfig, vllm_installed
+from replica.vllm_server import VLLMConfig, cores_of, cpu_build, vllm_installed
 from router.config import GatewayConfig
 
 #: What the gateway and its replicas must agree on: one flag sets both.
@@ -40,6 +41,13 @@ class Deployment:
     spec: type
     actor: Any
     spec_from_args: SpecFromArgs
+    #: The spec of a replica serving a model and its LoRA adapters (``--fleet``).
+    serving: Callable[[Any, str, tuple[str, ...]], EngineSpec]
+    #: Replica ``index`` of ``replicas`` sharing one machine (``serve``).
+    on_one_machine: Callable[[Any, int, int], EngineSpec]
+    #: Whether a replica takes a device of its own: a GPU each where the cluster has
+    #: GPUs, else a node each (``up``); else replicas spread as Ray balances them.
+    takes_a_device: bool
 
 
 def sim_spec(args: argparse.Namespace, gateway: GatewayConfig, keep: frozenset[str]) -> EngineSpec:
@@ -82,15 +90,46 @@ def vllm_spec(args: argparse.Namespace, gateway: GatewayConfig, keep: frozenset[
     return VLLMConfig(gateway.model, engine_args(args))
 
 
-DEPLOYMENTS: dict[str, Deployment] = {
-    d.kind.name: d
-    for d in (
-        Deployment(SIM, ReplicaConfig, SimReplicaActor, sim_spec),
-        Deployment(VLLM, VLLMConfig, VLLMReplicaActor, vllm_spec),
-    )
-}
+def sim_serving(spec: ReplicaConfig, model: str, adapters: tuple[str, ...]) -> EngineSpec:
+    return replace(spec, model=model, lora_modules=",".join(adapters))
+
+
+def vllm_serving(spec: VLLMConfig, model: str, adapters: tuple[str, ...]) -> EngineSpec:
+    if adapters:
+        raise ValueError(
+            f"--fleet {model}: vLLM's adapters need their weights: "
+            "--engine-arg='--enable-lora --lora-modules NAME=PATH'"
+        )
+    folder = Path(model)  # the same for every process, wherever it runs
+    return replace(spec, model=str(folder.resolve()) if folder.is_dir() else model)
+
+
+def sim_on_one_machine(spec: ReplicaConfig, index: int, replicas: int) -> EngineSpec:
+    return spec  # a simulated engine takes a sliver of a core, whatever it simulates
+
+
+def vllm_on_one_machine(spec: VLLMConfig, index: int, replicas: int) -> EngineSpec:
+    """vLLM's CPU build gets cores of its own, as it would have a GPU of its own in a
+    fleet (see ``VLLMConfig.cpus``)."""
+    if spec.cpus or not cpu_build():
+        return spec
+    return replace(spec, cpus=cores_of(index, replicas, len(os.sched_getaffinity(0))))
+
+
+SIM_DEPLOYMENT = Deployment(
+    SIM, ReplicaConfig, SimReplicaActor, sim_spec, sim_serving, sim_on_one_machine, False
+)
+VLLM_DEPLOYMENT = Deployment(
+    VLLM, VLLMConfig, VLLMReplicaActor, vllm_spec, vllm_serving, vllm_on_one_machine, True
+)
+DEPLOYMENTS: dict[str, Deployment] = {d.kind.name: d for d in (SIM_DEPLOYMENT, VLLM_DEPLOYMENT)}
+
+
+def deployment_of(spec: EngineSpec) -> Deployment:
+    """The kind a replica's spec is of."""
+    return next(d for d in DEPLOYMENTS.values() if isinstance(spec, d.spec))
 
 
 def replica_actor(spec: EngineSpec) -> Any:
     """The actor class that hosts ``spec``'s engine."""
-    return next(d.actor for d in DEPLOYMENTS.values() if isinstance(spec, d.spec))
+    return deployment_of(spec).actor

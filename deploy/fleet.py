@@ -10,11 +10,10 @@ among the replicas of its model (``router/fleet/models.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
+from deploy.engines import deployment_of
 from deploy.replicas import EngineSpec
-from replica.vllm_server import VLLMConfig
 
 FLEET_HELP = (
     "repeatable: N replicas serving MODEL (and, on the simulated engine, these LoRA "
@@ -61,12 +60,4 @@ def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> 
 
 
 def _serving(engine: EngineSpec, entry: FleetEntry) -> EngineSpec:
-    if isinstance(engine, VLLMConfig):
-        if entry.adapters:
-            raise ValueError(
-                f"--fleet {entry.model}: vLLM's adapters need their weights: "
-                "--engine-arg='--enable-lora --lora-modules NAME=PATH'"
-            )
-        folder = Path(entry.model)  # the same for every process, wherever it runs
-        return replace(engine, model=str(folder.resolve()) if folder.is_dir() else entry.model)
-    return replace(engine, model=entry.model, lora_modules=",".join(entry.adapters))
+    return deployment_of(engine).serving(engine, entry.model, entry.adapters)

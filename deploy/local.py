@@ -15,19 +15,18 @@ import os
 import signal
 import threading
 from collections.abc import Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from deploy.engines import replica_actor
+from deploy.engines import deployment_of, replica_actor
 from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
-from replica.vllm_server import VLLMConfig, cores_of, cpu_build
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 from router.http.app import create_app
@@ -63,57 +62,76 @@ def serve(
     models: deploy/fleet.py); everything started here is stopped on the way out. The
     gateway's fields named in ``keep`` (the user's flags) are not taken from the engine.
     ``autoscale``: the fleet grows and shrinks within its bounds (deploy/scaler.py)."""
-    replicas = len(engines)
-    if replicas < 1 or gateways < 1:
+    if len(engines) < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
     # The port first: a busy one fails at once, and Ray's processes cannot take it.
     sock = listening_socket(host, port) if gateways == 1 else None
     start_local_ray()
-    handles: list[Any] = []
-    gateway_actors: list[Any] = []
-    scaler: Any = None
+    started = _Started()
     try:
-        handles = [
-            replica_actor(engine)
-            .options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0)
-            .remote(on_one_machine(engine, i, replicas), host)
-            for i, engine in enumerate(engines)
-        ]
-        cards = ready_cards(handles)
-        for model in dict.fromkeys(card.model for card in cards):  # in order, each once
-            group = [card for card in cards if card.model == model]
-            print(
-                f"{len(group)} replicas: {', '.join(c.url for c in group)} ({describe(group[0])})",
-                flush=True,
-            )
+        started.replicas = _start_replicas(engines, host)
+        cards = ready_cards(started.replicas)
+        _say_replicas(cards)
         gateway = gateway.configured_by(cards[0], keep)
         if autoscale is not None:
-            scaler = start_scaler(autoscale, engines[0], host, f"http://{host}:{port}")
-            print(
+            started.scaler = start_scaler(autoscale, engines[0], host, f"http://{host}:{port}")
+            _say(
                 f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
-                f"(scale-in by {autoscale.scale_in})",
-                flush=True,
+                f"(scale-in by {autoscale.scale_in})"
             )
         if gateways == 1:
-            print(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})", flush=True)
-            serve_http(
-                create_app(gateway, ray_replica_prefix=REPLICA_PREFIX), host, port, sock=sock
-            )
+            _say(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})")
+            app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
+            serve_http(app, host, port, sock=sock)
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
-        fronts, gateway_actors = start_gateways(gateway, host, ports, backends=replicas)
+        fronts, started.gateways = start_gateways(gateway, host, ports, backends=len(engines))
         for url in fronts:
-            print(f"gateway: {url}/v1 (policy {gateway.policy})", flush=True)
+            _say(f"gateway: {url}/v1 (policy {gateway.policy})")
         _wait_for_a_signal()
     finally:
-        if scaler is not None:  # first: it starts no replica after this
-            ray.kill(scaler, no_restart=True)
-        for handle in gateway_actors:  # held until now: an actor lives as long as its handle
-            ray.kill(handle, no_restart=True)
-        stop_replicas([*handles, *named_replicas()])  # those a scaler started too
+        started.stop()
         ray.shutdown()
         if sock is not None:
             sock.close()
+
+
+@dataclass
+class _Started:
+    """What ``serve`` started: stopped on the way out, whatever happened."""
+
+    replicas: list[Any] = field(default_factory=list)
+    #: Held until the end: an actor lives as long as its handle.
+    gateways: list[Any] = field(default_factory=list)
+    scaler: Any = None
+
+    def stop(self) -> None:
+        if self.scaler is not None:  # first: it starts no replica after this
+            ray.kill(self.scaler, no_restart=True)
+        for handle in self.gateways:
+            ray.kill(handle, no_restart=True)
+        stop_replicas([*self.replicas, *named_replicas()])  # those a scaler started too
+
+
+def _start_replicas(engines: Sequence[EngineSpec], host: str) -> list[Any]:
+    """A replica actor per engine, named in order (they start serving as they can)."""
+    return [
+        replica_actor(engine)
+        .options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0)
+        .remote(deployment_of(engine).on_one_machine(engine, i, len(engines)), host)
+        for i, engine in enumerate(engines)
+    ]
+
+
+def _say_replicas(cards: Sequence[EngineCard]) -> None:
+    """The replicas' URLs, a line per model, in the order first seen."""
+    for model in dict.fromkeys(card.model for card in cards):
+        group = [card for card in cards if card.model == model]
+        _say(f"{len(group)} replicas: {', '.join(c.url for c in group)} ({describe(group[0])})")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def named_replicas() -> list[Any]:
@@ -124,14 +142,6 @@ def named_replicas() -> list[Any]:
             with contextlib.suppress(ValueError):
                 handles.append(ray.get_actor(name))
     return handles
-
-
-def on_one_machine(engine: EngineSpec, index: int, replicas: int) -> EngineSpec:
-    """Replica ``index``'s engine: vLLM's CPU build gets cores of its own, as it would
-    have a GPU of its own in a fleet (see ``VLLMConfig.cpus``)."""
-    if not isinstance(engine, VLLMConfig) or engine.cpus or not cpu_build():
-        return engine
-    return replace(engine, cpus=cores_of(index, replicas, len(os.sched_getaffinity(0))))
 
 
 def describe(card: EngineCard) -> str:

@@ -75,19 +75,7 @@ class Gateway:
         self.rng = np.random.default_rng(config.seed)
         self.policy_name = config.policy
         self.models = ModelRoutes(self._policy_for, config.model)
-        check = BackendCheck(
-            client, self.tokenizer, config.model, routing.block_size, routing.index.stride
-        )
-        self.pool = BackendPool(
-            client,
-            on_events=self.models.events,
-            on_added=self._added,
-            on_removed=self.models.removed,
-            poll_interval_s=config.kv_events_interval_s,
-            default_capacity_blocks=config.capacity_blocks,
-            check=check if config.check_backends else None,
-            describe_interval_s=config.describe_interval_s,
-        )
+        self.pool = self._pool(client)
         fair = FairShare(config.fairness, config.fair_half_life_s)
         self.queue = AdmissionQueue(config.max_queued, config.queue_timeout_s, fair)
         self.accounting = Accounting(routing.stride_tokens, block_tokens=routing.block_size)
@@ -98,20 +86,37 @@ class Gateway:
         )
         # The request path's stages, in the order a request walks them.
         self.keys = keys or ApiKeys({})
-        self.resolver = Resolver(
-            config,
-            self.keys,
-            self.models,
-            self.prefix_keys,
-            self.hot_prefixes,
-            self.salts,
-            self.accounting,
-        )
-        self.admitter = Admitter(config, self.queue, self.pool, self.models)
-        self.placer = Placer(self.models, self.pool, self.salts, self.accounting, fair)
-        settlement = Settlement(self.accounting, self.queue)
         self.upstream = upstream or Client(timeouts(config))
-        self.dispatcher = Dispatcher(self.upstream, self.pool, settlement)
+        self.resolver, self.admitter, self.placer, self.dispatcher = self._stages(fair)
+
+    def _pool(self, client: aiohttp.ClientSession) -> BackendPool:
+        """The backends, each checked as it joins (unless told not to), their events and
+        joins and leaves told to the models' policies."""
+        config, routing = self.config, self.config.routing
+        check = BackendCheck(
+            client, self.tokenizer, config.model, routing.block_size, routing.index.stride
+        )
+        return BackendPool(
+            client,
+            on_events=self.models.events,
+            on_added=self._added,
+            on_removed=self.models.removed,
+            poll_interval_s=config.kv_events_interval_s,
+            default_capacity_blocks=config.capacity_blocks,
+            check=check if config.check_backends else None,
+            describe_interval_s=config.describe_interval_s,
+        )
+
+    def _stages(self, fair: FairShare) -> tuple[Resolver, Admitter, Placer, Dispatcher]:
+        """The stages after the envelope, each given the parts it uses and no more."""
+        config, models, pool, accounting = self.config, self.models, self.pool, self.accounting
+        resolver = Resolver(
+            config, self.keys, models, self.prefix_keys, self.hot_prefixes, self.salts, accounting
+        )
+        admitter = Admitter(config, self.queue, pool, models)
+        placer = Placer(models, pool, self.salts, accounting, fair)
+        dispatcher = Dispatcher(self.upstream, pool, Settlement(accounting, self.queue))
+        return resolver, admitter, placer, dispatcher
 
     async def handle(self, request: Request, path: str, chat: bool) -> Response:
         """One completion request, through the stages (see the module's doc)."""
