@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from loadtest.replay import ReplayConfig, replay
-from loadtest.workloads import ChatConfig, Workload, chat_workload, load_workload
+from loadtest.workloads import ChatConfig, Workload, WorkloadOptions, workload_for
 from replica.api.cost_model import get_profile
 
 POLICIES = ("round_robin", "sglang_cache_aware", "cache_aware", "cache_aware_ttft")
@@ -36,7 +36,7 @@ TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation
 class Fleet:
     label: str
     config: ReplayConfig
-    workload: str  # "chat" (scaled to 4 replicas) or a trace's path
+    workload: str  # its spec: "chat" (its load per replica) or "trace:PATH"
 
 
 @dataclass(frozen=True)
@@ -56,22 +56,25 @@ class Row:
 
 
 def fleets(trace: Path) -> list[Fleet]:
-    chat = [
-        Fleet(f"chat, 4 replicas at {speed}x", ReplayConfig(
-            replicas=4, capacity_blocks=4096, host_blocks=0, compute_scale=speed), "chat")
-        for speed in CHAT_SPEEDS
-    ]  # fmt: skip
+    chat = []
+    for speed in CHAT_SPEEDS:
+        config = ReplayConfig(replicas=4, capacity_blocks=4096, host_blocks=0, compute_scale=speed)
+        chat.append(Fleet(f"chat, 4 replicas at {speed}x", config, "chat"))
     mooncake = ReplayConfig(replicas=8, capacity_blocks=26000, host_blocks=0)
-    return chat + ([Fleet("Mooncake, 8 replicas", mooncake, str(trace))] if trace.is_file() else [])
+    if not trace.is_file():
+        return chat
+    return [*chat, Fleet("Mooncake, 8 replicas", mooncake, f"trace:{trace}")]
 
 
 def workload_of(fleet: Fleet) -> Workload:
-    if fleet.workload != "chat":
-        return load_workload(f"trace:{fleet.workload}")
-    base, n = ChatConfig(), fleet.config.replicas  # as `replay` scales chat per replica
-    return chat_workload(
-        replace(base, num_sessions=n * base.num_sessions, session_rate=n * base.session_rate)
+    """The fleet's workload, its load per replica as ``prefix-router replay`` sets it."""
+    base = ChatConfig()
+    options = WorkloadOptions(
+        replicas=fleet.config.replicas,
+        sessions_per_replica=base.num_sessions,
+        rate_per_replica=base.session_rate,
     )
+    return workload_for(fleet.workload, options)
 
 
 def measure(fleet: Fleet, policy: str) -> Row:
@@ -80,17 +83,22 @@ def measure(fleet: Fleet, policy: str) -> Row:
     done = [r for r in result.records if r.first_token_s is not None]
     ttft = np.array([r.first_token_s - r.arrival_s for r in done])
     own = np.array(
-        [profile.prefill_time(r.cached_tokens, r.prompt_tokens - r.cached_tokens) / scale
-         for r in done]
-    )  # fmt: skip
+        [profile.prefill_time(r.cached_tokens, r.prompt_tokens - r.cached_tokens) for r in done]
+    )
+    own = own / scale
     slowest = np.argsort(ttft)[-max(1, len(ttft) // 100) :]
     cached = sum(r.cached_tokens for r in done)
     prompts = sum(r.prompt_tokens for r in done)
     return Row(
-        fleet.label, policy, cached / prompts, float(np.percentile(ttft, 50)),
-        float(np.percentile(ttft, 99)), float(np.percentile(own, 99)),
-        float(ttft[slowest].mean()), float(own[slowest].mean()),
-    )  # fmt: skip
+        fleet.label,
+        policy,
+        hit_rate=cached / prompts,
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        floor_p99_s=float(np.percentile(own, 99)),
+        slowest_ttft_s=float(ttft[slowest].mean()),
+        slowest_own_s=float(own[slowest].mean()),
+    )
 
 
 def seconds(value: float) -> str:
@@ -106,14 +114,27 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         replays = pool.map(measure, *zip(*cases, strict=True))
         rows = list(tqdm(replays, total=len(cases), desc="replays", unit="replay"))
-    print("| fleet | policy | token hit rate | TTFT p50 | TTFT p99 | own-prefill p99 (floor) "
-          "| slowest 1%: TTFT = own prefill + wait |")  # fmt: skip
+    print(
+        "| fleet | policy | token hit rate | TTFT p50 | TTFT p99 | own-prefill p99 (floor) "
+        "| slowest 1%: TTFT = own prefill + wait |"
+    )
     print("|---|---|---:|---:|---:|---:|---|")
     for row in rows:
-        print(f"| {row.fleet} | {row.policy} | {row.hit_rate:.1%} | {seconds(row.ttft_p50_s)} "
-              f"| {seconds(row.ttft_p99_s)} | {seconds(row.floor_p99_s)} "
-              f"| {seconds(row.slowest_ttft_s)} = {seconds(row.slowest_own_s)} "
-              f"+ {seconds(row.slowest_wait_s)} |")  # fmt: skip
+        print(table_line(row))
+
+
+def table_line(row: Row) -> str:
+    own, wait = seconds(row.slowest_own_s), seconds(row.slowest_wait_s)
+    cells = [
+        row.fleet,
+        row.policy,
+        f"{row.hit_rate:.1%}",
+        seconds(row.ttft_p50_s),
+        seconds(row.ttft_p99_s),
+        seconds(row.floor_p99_s),
+        f"{seconds(row.slowest_ttft_s)} = {own} + {wait}",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":

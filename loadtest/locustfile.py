@@ -29,7 +29,15 @@ from locust.env import Environment
 
 from deploy.flags import add_config_flags, config_overrides
 from loadtest.locust_hits import CacheHits, install_web_ui
-from loadtest.workloads import ChatConfig, Session, Turn, Workload, load_workload
+from loadtest.workloads import (
+    ChatConfig,
+    Session,
+    Turn,
+    Workload,
+    WorkloadOptions,
+    workload_for,
+    workload_usage,
+)
 from replica.api.identity import DEFAULT_MODEL
 
 #: The header that carries a session's key (the gateway reads it by default).
@@ -39,9 +47,7 @@ SESSION_HEADER = "x-session-id"
 @events.init_command_line_parser.add_listener
 def add_options(parser: Any) -> None:
     group = parser.add_argument_group("prefix-router workload")
-    group.add_argument(
-        "--workload", default="chat", env_var="PR_WORKLOAD", help="chat or trace:PATH"
-    )
+    group.add_argument("--workload", default="chat", env_var="PR_WORKLOAD", help=workload_usage())
     group.add_argument("--workload-seed", type=int, default=0, env_var="PR_WORKLOAD_SEED")
     group.add_argument(
         "--trace-limit", type=int, default=0, env_var="PR_TRACE_LIMIT", help="0: all"
@@ -175,15 +181,12 @@ def load_sessions(environment: Environment, **_: Any) -> None:
     options = environment.parsed_options
     if options is None:
         return
-    overrides: dict[str, Any] = {}
-    if options.workload == "chat":
-        overrides = config_overrides(options, ChatConfig, prefix="chat_")
-        overrides["seed"] = options.workload_seed
-        if options.arrival_rate > 0:
-            overrides["session_rate"] = options.arrival_rate
-    elif options.trace_limit:
-        overrides = {"limit": options.trace_limit}
-    SESSIONS = Sessions(load_workload(options.workload, overrides))
+    chat = config_overrides(options, ChatConfig, prefix="chat_")
+    if options.arrival_rate > 0:  # open loop: sessions start at this rate
+        chat["session_rate"] = options.arrival_rate
+    limit = options.trace_limit or None
+    asked = WorkloadOptions(seed=options.workload_seed, chat=chat, limit=limit)
+    SESSIONS = Sessions(workload_for(options.workload, asked))
     FRONTS[0] = [url.rstrip("/") for url in options.gateways.split(",") if url]
 
 
@@ -236,9 +239,13 @@ class ChatSessionUser(HttpUser):
         sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
         with self.client.post(
-            self.front() + path, json=body, headers=headers, stream=True, catch_response=True,
+            self.front() + path,
+            json=body,
+            headers=headers,
+            stream=True,
+            catch_response=True,
             name=name,
-        ) as response:  # fmt: skip
+        ) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
                 return

@@ -14,7 +14,7 @@ import multiprocessing
 import sys
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from deploy.flags import add_config_flags, config_overrides, with_overrides
 from loadtest import plots
+from loadtest.option_flags import add_option_flags
 from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
     MODEL_KEYS,
@@ -37,7 +38,14 @@ from loadtest.report import (
     version,
     write_json,
 )
-from loadtest.workloads import ChatConfig, Workload, load_workload
+from loadtest.workloads import (
+    ChatConfig,
+    Workload,
+    WorkloadOptions,
+    workload_for,
+    workload_kind,
+    workload_usage,
+)
 from router.policies import POLICIES
 
 DEFAULT_POLICIES = "round_robin,power_of_two,sglang_cache_aware,cache_aware"
@@ -48,19 +56,127 @@ DEFAULT_CAPACITY_SWEEP = "128,256,512,1024,2048,4096,8192,16384"
 CHAT_SESSIONS_PER_REPLICA = ChatConfig().num_sessions
 CHAT_RATE_PER_REPLICA = ChatConfig().session_rate
 SWEEPABLE = {
-    "replicas": "replicas", "capacity": "capacity_blocks", "routers": "routers",
+    "replicas": "replicas",
+    "capacity": "capacity_blocks",
+    "routers": "routers",
     "fairness": "fairness",
-}  # fmt: skip
+}
 
 FLEET_KEYS = (
-    "label", "replica_hours", "replicas_peak", "token_hit_rate", "ttft_p50_s", "ttft_p99_s",
-)  # fmt: skip
+    "label",
+    "replica_hours",
+    "replicas_peak",
+    "token_hit_rate",
+    "ttft_p50_s",
+    "ttft_p99_s",
+)
 TABLE_KEYS = (
-    "label", "replicas", "capacity_blocks", "requests", "failures", "token_hit_rate",
-    "host_hit_rate", "block_hit_rate", "fraction_of_bound", "prefill_tokens_computed",
-    "prefill_tokens_saved", "evictions", "shared_prefix_evictions", "ttft_p50_s", "ttft_p90_s",
-    "ttft_p99_s", "e2e_p50_s", "throughput_rps", "imbalance", "prediction_accuracy",
-)  # fmt: skip
+    "label",
+    "replicas",
+    "capacity_blocks",
+    "requests",
+    "failures",
+    "token_hit_rate",
+    "host_hit_rate",
+    "block_hit_rate",
+    "fraction_of_bound",
+    "prefill_tokens_computed",
+    "prefill_tokens_saved",
+    "evictions",
+    "shared_prefix_evictions",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "e2e_p50_s",
+    "throughput_rps",
+    "imbalance",
+    "prediction_accuracy",
+)
+
+
+def _help(text: str, **keywords: Any) -> dict[str, Any]:
+    return {"help": text, **keywords}
+
+
+@dataclass(frozen=True)
+class LoadByFleetSize:
+    """How the workload's load follows the fleet's size."""
+
+    sessions_per_replica: int = field(
+        default=CHAT_SESSIONS_PER_REPLICA,
+        metadata=_help(f"chat sessions per replica (default: {CHAT_SESSIONS_PER_REPLICA})"),
+    )
+    rate_per_replica: float = field(
+        default=CHAT_RATE_PER_REPLICA,
+        metadata=_help(
+            f"chat sessions started per second per replica (default: {CHAT_RATE_PER_REPLICA})"
+        ),
+    )
+    replicas_per_copy: int | None = field(
+        default=None,
+        metadata=_help(
+            "one copy of the trace per this many replicas, each copy a tenant of its own "
+            "shifted in time (default: one copy whatever the fleet)"
+        ),
+    )
+    copy_shift_s: float = field(
+        default=60.0, metadata=_help("the copies start spread over this many seconds (default: 60)")
+    )
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """``prefix-router replay``'s own flags (loadtest/option_flags.py), beside those of
+    the fleet (ReplayConfig) and of the chat workload (ChatConfig)."""
+
+    workload: str = field(default="chat", metadata=_help(f"{workload_usage()} (default: chat)"))
+    policies: str = field(
+        default=DEFAULT_POLICIES,
+        metadata=_help(
+            f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})"
+        ),
+    )
+    sweep: str | None = field(
+        default=None,
+        metadata=_help(
+            "rows for several values of replicas, capacity, routers or fairness, "
+            "e.g. replicas=1,2,4,8 or fairness=fcfs,vtc,prefill",
+            metavar="NAME=V1,V2,...",
+        ),
+    )
+    sweep_capacity: str | None = field(
+        default=None,
+        metadata=_help(
+            f"same as --sweep capacity=... (default list: {DEFAULT_CAPACITY_SWEEP})",
+            nargs="?",
+            const=DEFAULT_CAPACITY_SWEEP,
+            metavar="BLOCKS,...",
+        ),
+    )
+    limit: int | None = field(
+        default=None, metadata=_help("replay only the first N trace requests")
+    )
+    load: LoadByFleetSize = field(
+        default_factory=LoadByFleetSize,
+        metadata={
+            "title": "load by fleet size",
+            "description": "chat's sessions and rate grow with the replicas unless "
+            "--chat-num-sessions or --chat-session-rate is given; a trace is copied once "
+            "per --replicas-per-copy",
+        },
+    )
+    no_reference: bool = field(default=False, metadata=_help("skip the reference rows"))
+    json: str | None = field(
+        default=None, metadata=_help("write the rows as JSON (DESIGN.md sec. 7)", metavar="PATH")
+    )
+    out: str | None = field(
+        default=None, metadata=_help("write report.md, report.json and PNG charts", metavar="DIR")
+    )
+    no_progress: bool = field(default=False, metadata=_help("no progress bars"))
+    jobs: int = field(
+        default=1,
+        metadata=_help("replays run at once, one process each (default: 1; memory grows with it)"),
+    )
 
 
 def add_replay_parser(commands: Any) -> None:
@@ -70,65 +186,7 @@ def add_replay_parser(commands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
-    parser.add_argument(
-        "--policies",
-        default=DEFAULT_POLICIES,
-        help=f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})",
-    )
-    parser.add_argument(
-        "--sweep",
-        metavar="NAME=V1,V2,...",
-        help="rows for several values of replicas, capacity, routers or fairness, "
-        "e.g. replicas=1,2,4,8 or fairness=fcfs,vtc,prefill",
-    )
-    parser.add_argument(
-        "--sweep-capacity",
-        nargs="?",
-        const=DEFAULT_CAPACITY_SWEEP,
-        metavar="BLOCKS,...",
-        help=f"same as --sweep capacity=... (default list: {DEFAULT_CAPACITY_SWEEP})",
-    )
-    parser.add_argument("--limit", type=int, help="replay only the first N trace requests")
-    scale = parser.add_argument_group(
-        "load by fleet size",
-        "chat's sessions and rate grow with the replicas unless --chat-num-sessions or "
-        "--chat-session-rate is given; a trace is copied once per --replicas-per-copy",
-    )
-    scale.add_argument(
-        "--sessions-per-replica",
-        type=int,
-        default=CHAT_SESSIONS_PER_REPLICA,
-        help=f"chat sessions per replica (default: {CHAT_SESSIONS_PER_REPLICA})",
-    )
-    scale.add_argument(
-        "--rate-per-replica",
-        type=float,
-        default=CHAT_RATE_PER_REPLICA,
-        help=f"chat sessions started per second per replica (default: {CHAT_RATE_PER_REPLICA})",
-    )
-    scale.add_argument(
-        "--replicas-per-copy",
-        type=int,
-        help="one copy of the trace per this many replicas, each copy a tenant of its own "
-        "shifted in time (default: one copy whatever the fleet)",
-    )
-    scale.add_argument(
-        "--copy-shift-s",
-        type=float,
-        default=60.0,
-        help="the copies start spread over this many seconds (default: 60)",
-    )
-    parser.add_argument("--no-reference", action="store_true", help="skip the reference rows")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON (DESIGN.md sec. 7)")
-    parser.add_argument("--out", metavar="DIR", help="write report.md, report.json and PNG charts")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="replays run at once, one process each (default: 1; memory grows with it)",
-    )
+    add_option_flags(parser, ReplayOptions)
     add_config_flags(parser, ReplayConfig)  # the routing knobs too: --stride, --recompute-weight
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
     parser.set_defaults(run=run_replay)
@@ -165,31 +223,32 @@ def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
 
 
 def _build_workloads(args: argparse.Namespace, sizes: list[int]) -> None:
-    """The workload of every fleet size, into ``_WORKLOADS``, each built once: chat's
-    load is per replica unless given; a trace is as recorded, or copied once per
-    ``--replicas-per-copy``. Built before any worker forks: the workers share them."""
+    """The workload of every fleet size, into ``_WORKLOADS``, each built once: one per
+    size if its kind scales with the fleet (chat's load per replica, a trace copied
+    once per ``--replicas-per-copy``), else the same for all. Built before any worker
+    forks: the workers share them."""
     _WORKLOADS.clear()
+    kind = workload_kind(args.workload)
     built: dict[int, Workload] = {}
     for replicas in sizes:
-        scales = args.workload == "chat" or args.replicas_per_copy is not None
-        key = replicas if scales else 0  # 0: the same workload for every size
+        options = _workload_options(args, replicas)
+        key = replicas if kind.scales_with_fleet(options) else 0  # 0: the same for every size
         if key not in built:
-            built[key] = load_workload(args.workload, _workload_overrides(args, key))
+            built[key] = workload_for(args.workload, options)
         _WORKLOADS[replicas] = built[key]
 
 
-def _workload_overrides(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
-    if args.workload != "chat":
-        trace: dict[str, Any] = {} if args.limit is None else {"limit": args.limit}
-        if args.replicas_per_copy is not None:
-            trace["copies"] = max(1, replicas // args.replicas_per_copy)
-            trace["copy_shift_s"] = args.copy_shift_s
-        return trace
-    overrides = config_overrides(args, ChatConfig, prefix="chat_")
-    overrides.setdefault("num_sessions", args.sessions_per_replica * replicas)
-    overrides.setdefault("session_rate", args.rate_per_replica * replicas)
-    overrides["seed"] = args.seed if args.seed is not None else ReplayConfig().seed
-    return overrides
+def _workload_options(args: argparse.Namespace, replicas: int) -> WorkloadOptions:
+    return WorkloadOptions(
+        seed=args.seed if args.seed is not None else ReplayConfig().seed,
+        chat=config_overrides(args, ChatConfig, prefix="chat_"),
+        limit=args.limit,
+        replicas=replicas,
+        sessions_per_replica=args.sessions_per_replica,
+        rate_per_replica=args.rate_per_replica,
+        replicas_per_copy=args.replicas_per_copy,
+        copy_shift_s=args.copy_shift_s,
+    )
 
 
 # ------------------------------------------------------------------- running
@@ -302,7 +361,7 @@ def _run_all(jobs: list[_Job], args: argparse.Namespace) -> list[_Done]:
             disable=args.no_progress,
             file=sys.stderr,
             leave=False,
-        ) as bar,  # fmt: skip
+        ) as bar,
     ):
         # The largest first, so the longest replays do not start last.
         order = sorted(range(len(jobs)), key=lambda i: -jobs[i].workload.num_requests)
@@ -315,8 +374,15 @@ def _run_all(jobs: list[_Job], args: argparse.Namespace) -> list[_Done]:
 
 
 def _run_with_bar(job: _Job, args: argparse.Namespace) -> _Done:
-    with tqdm(total=job.workload.num_requests, desc=job.label, unit="req",
-              disable=args.no_progress, file=sys.stderr, leave=False) as bar:  # fmt: skip
+    bar = tqdm(
+        total=job.workload.num_requests,
+        desc=job.label,
+        unit="req",
+        disable=args.no_progress,
+        file=sys.stderr,
+        leave=False,
+    )
+    with bar:
         return _run_job(job, bar.update)
 
 

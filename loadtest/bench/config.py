@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.workloads import Workload, load_workload
+from loadtest.workloads import Workload, WorkloadOptions, workload_for
 from replica.api.identity import DEFAULT_MODEL
 
 #: The default load: a chat service a 2-core machine can drive without becoming the
@@ -62,6 +62,6 @@ class BenchConfig:
         return {**BENCH_CHAT, **self.chat, "seed": self.seed}
 
     def load(self) -> Workload:
-        if self.workload == "chat":
-            return load_workload(self.workload, self.chat_config())
-        return load_workload(self.workload, {"limit": self.trace_limit} if self.trace_limit else {})
+        chat = {**BENCH_CHAT, **self.chat}
+        options = WorkloadOptions(seed=self.seed, chat=chat, limit=self.trace_limit or None)
+        return workload_for(self.workload, options)

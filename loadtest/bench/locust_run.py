@@ -21,7 +21,7 @@ from deploy.flags import config_flags
 from loadtest.bench.config import BenchConfig
 from loadtest.bench.targets import Fleet, engine_figures, gateway_stats, replica_stats
 from loadtest.timeline import Timeline
-from loadtest.workloads import ChatConfig
+from loadtest.workloads import ChatConfig, workload_kind
 from replica.api.stats import ReplicaStats
 
 LOCUSTFILE = Path(__file__).parent.parent / "locustfile.py"
@@ -41,20 +41,19 @@ class LocustRun:
 
 
 def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> list[str]:
-    command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "-u", str(config.users), "-r", str(config.users), "-t", f"{config.run_time_s:.0f}s",
-        "--host", gateways[0], "--gateways", ",".join(gateways),
-        "--csv", str(prefix), "--results-file", f"{prefix}_client.json",
-        "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10",
-        "--workload", config.workload, "--workload-seed", str(config.seed),
-        "--model", config.model,
-    ]  # fmt: skip
+    users = str(config.users)
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+    command += ["-u", users, "-r", users, "-t", f"{config.run_time_s:.0f}s"]
+    command += ["--host", gateways[0], "--gateways", ",".join(gateways)]
+    command += ["--csv", str(prefix), "--results-file", f"{prefix}_client.json"]
+    command += ["--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10"]
+    command += ["--workload", config.workload, "--workload-seed", str(config.seed)]
+    command += ["--model", config.model]
     if config.trace_limit:
         command += ["--trace-limit", str(config.trace_limit)]
     if config.session_keys:
         command += ["--session-keys"]
-    if config.workload == "chat":
+    if workload_kind(config.workload).chat:
         chat = config.chat_config()
         command += ["--arrival-rate", str(chat.get("session_rate", ChatConfig().session_rate))]
         command += config_flags({k: v for k, v in chat.items() if k != "seed"}, prefix="chat-")

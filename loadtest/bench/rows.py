@@ -14,7 +14,7 @@ from loadtest.bench.config import BenchConfig
 from loadtest.bench.locust_run import LocustRun
 from loadtest.bench.targets import Fleet, engine_figures, gateway_stats, replica_stats
 from loadtest.report import ROW_KEYS, Row, tier_figures
-from loadtest.workloads import ChatConfig
+from loadtest.workloads import ChatConfig, workload_kind
 from replica.api.figures import EngineFigures
 from replica.api.stats import ReplicaStats
 from router.path.latency import percentile
@@ -34,10 +34,8 @@ class Snapshot:
 def snapshot(client: httpx.Client, fleet: Fleet) -> Snapshot:
     gateways = [gateway_stats(client, url) for url in fleet.gateways] if fleet.ours else []
     replicas = [replica_stats(client, url) for url, config in fleet.replicas.items() if config]
-    return Snapshot(
-        [g for g in gateways if g], [r for r in replicas if r is not None],
-        engine_figures(client, fleet),
-    )  # fmt: skip
+    answered = [g for g in gateways if g]
+    return Snapshot(answered, [r for r in replicas if r is not None], engine_figures(client, fleet))
 
 
 def live_row(
@@ -209,7 +207,7 @@ def live_prediction_accuracy(before: Snapshot, after: Snapshot, policy: str) -> 
 
 def _adapter_models(config: BenchConfig) -> dict[str, str]:
     """The chat workload's adapters, each with the model it sits on."""
-    if config.workload != "chat":
+    if not workload_kind(config.workload).chat:
         return {}
     chat = ChatConfig(**config.chat_config())
     return {adapter: chat.model_names[0] for adapter in chat.adapter_names}

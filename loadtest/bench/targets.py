@@ -30,8 +30,8 @@ def embedded(
     """``prefix-router serve`` (local Ray, N replica actors, gateways on consecutive
     ports) for the bench; the gateways' URLs, once each has checked every replica."""
     port = processes.free_ports(gateways)
-    command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways),
-               "--separate-ports", *serve_flags]  # fmt: skip
+    command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways)]
+    command += ["--separate-ports", *serve_flags]
     process = processes.start(command, port)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(gateways)]
 
@@ -175,8 +175,10 @@ def check_reachable(client: httpx.Client, url: str) -> None:
     try:
         client.get(f"{url}/health", timeout=10.0)
     except httpx.HTTPError as error:
-        raise ValueError(f"cannot reach {url} ({type(error).__name__}: {error}): is it "
-                         "running, and is that its URL?") from None  # fmt: skip
+        why = f"{type(error).__name__}: {error}"
+        raise ValueError(
+            f"cannot reach {url} ({why}): is it running, and is that its URL?"
+        ) from None
 
 
 def gateway_stats(client: httpx.Client, url: str) -> GatewayStats | None:

@@ -136,7 +136,7 @@ def run_fleet(workload, config, policy):
     """Replay, then check that every load count came back to zero."""
     simulation = Simulation(workload, config, policy)
     result = simulation.run()
-    for replica in simulation.replicas:
+    for replica in simulation.routers[0].states:
         assert replica.outstanding_requests == 0, f"{policy} left load on {replica.replica_id}"
         assert replica.outstanding_prefill_tokens == 0
     assert not any(engine.has_unfinished for engine in simulation.engines)
@@ -234,9 +234,10 @@ def test_several_routers_share_the_traffic_and_the_events_keep_precise_mode_whol
     for policy in ("cache_aware", "cache_aware_approx"):
         simulation = Simulation(workload, replace(config, routers=4, event_delay_s=0.05), policy)
         rows[policy] = replay_row(simulation.run())
-        dispatched = [sum(s.dispatched for s in states) for _, states in simulation.routers]
+        dispatched = [sum(s.dispatched for s in r.states) for r in simulation.routers]
         assert all(d > 0 for d in dispatched) and sum(dispatched) == rows[policy]["requests"]
-        for _, states in simulation.routers:  # every router's counts came back to zero
+        for router in simulation.routers:  # every router's counts came back to zero
+            states = router.states
             assert all(s.outstanding_requests == s.outstanding_prefill_tokens == 0 for s in states)
             assert all(s.report is not None for s in states)  # and it heard the engines' load
     precise_loss = one["cache_aware"]["token_hit_rate"] - rows["cache_aware"]["token_hit_rate"]

@@ -1,0 +1,198 @@
+"""One replay: the workload's turns through the routers to the engines, in virtual time.
+
+The simulation composes the rooms of the replayer and passes each request between
+them: the clock and its events (events.py), the engines (engines.py), the routers'
+view and a request's way through a router (routers.py), a fleet that grows and shrinks
+(scaling.py) and what is measured (metrics.py). It follows a request from its arrival
+to its end; no room calls back into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loadtest.replay.config import ReplayConfig
+from loadtest.replay.engines import EngineSteps
+from loadtest.replay.events import (
+    Delivery,
+    EventQueue,
+    PlannedBurst,
+    StepEnds,
+    Tick,
+    TurnArrives,
+)
+from loadtest.replay.metrics import Metrics
+from loadtest.replay.request import TurnRequest
+from loadtest.replay.result import ReplayResult
+from loadtest.replay.routers import Routers
+from loadtest.replay.scaling import Scaling
+from loadtest.workloads import Workload
+from replica.engine import Engine, EngineRequest, StepResult
+from router.core import ReplicaState
+
+
+class Simulation:
+    """One replay run; :meth:`run` returns a :class:`ReplayResult`."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: ReplayConfig,
+        policy: str = "round_robin",
+        on_request_done: Callable[[], object] | None = None,
+    ) -> None:
+        self.workload = workload
+        self.config = config = config.resolved()
+        self.events = EventQueue()
+        adapters = _adapters_by_model(workload)
+        engines = [
+            Engine(config.engine_config(model, tuple(sorted(adapters.get(model, ())))))
+            for model in config.replica_models
+        ]
+        self.engines = EngineSteps(engines, self.events, config.max_burst_steps)
+        self.routers = Routers(config, policy, engines, self.events, any(adapters.values()))
+        self.policy_name = self.routers[0].routes.policy().name
+        request_s = engines[0].cost.request_s
+        self.metrics = Metrics(workload, config.model, config.block_size, request_s)
+        self.scaling = Scaling(config, self.events, self.engines, self.routers)
+        self.sessions = _Sessions(workload, self.events, request_s)
+        self._on_request_done = on_request_done or (lambda: None)
+        self._in_flight: dict[str, TurnRequest] = {}
+
+    def run(self) -> ReplayResult:
+        self.sessions.start()
+        while (event := self.events.pop()) is not None:
+            match event:
+                case Tick():
+                    self.scaling.tick()
+                case Delivery(engine, payload):
+                    self.routers.deliver(engine, payload)
+                case StepEnds(engine, ended):
+                    self._step_ended(engine, ended)
+                case TurnArrives(session, turn):
+                    self._arrive(session, turn)
+        return self._result()
+
+    def _arrive(self, session_index: int, turn_index: int) -> None:
+        session = self.workload.sessions[session_index]
+        turn = session.turns[turn_index]
+        prompt = turn.prompt_token_ids
+        turn.forget_prompt()
+        request = self.routers.request(session, session_index, turn_index, prompt)
+        if self.config.max_outstanding:  # a gateway's admission: queue when all are full
+            self.routers.wait(request)
+            self._admit_waiting(request.router)
+        else:
+            self._dispatch(request, self.routers.serving(request, self.scaling.routed_to()))
+
+    def _admit_waiting(self, router: int) -> None:
+        for request, free in self.routers.admitted(router, self.scaling.routed_to()):
+            self._dispatch(request, free)
+
+    def _dispatch(self, request: TurnRequest, candidates: list[ReplicaState]) -> None:
+        session = self.workload.sessions[request.session]
+        turn = session.turns[request.turn]
+        index = self.routers.choose(request, candidates, session.cache_salt)
+        record = self.metrics.dispatched(request, index, session, self.events.now)
+        try:
+            engine_request = EngineRequest(
+                request.request_id,
+                request.prompt,
+                turn.max_tokens,
+                ignore_eos=True,
+                cache_salt=session.cache_salt,
+                lora=session.adapter,
+            )
+            self.engines.submit(index, engine_request)
+        except ValueError as error:
+            record.error = str(error)
+            self._finish(request)
+            return
+        self._in_flight[request.request_id] = request
+        self.routers.dispatched(request, index)
+        self.engines.wake(index)
+
+    def _step_ended(self, index: int, ended: StepResult | PlannedBurst) -> None:
+        result = self.engines.ended(index, ended)
+        if result is None:
+            return
+        freed: set[int] = set()  # routers whose requests ended: a slot for their queue
+        for output in result.outputs:
+            request = self._in_flight[output.request_id]
+            if self.metrics.produced(output, self.events.now):
+                self.routers.prefilled(request, index)
+            if output.finished:
+                del self._in_flight[output.request_id]
+                self.routers.completed(request, index, output)
+                freed.add(request.router)
+                self._finish(request)
+        engine = self.engines[index]
+        kv_events = engine.cache.events.drain()
+        self.routers.publish(index, engine, kv_events)
+        self.metrics.watch(kv_events)
+        self.engines.step(index)
+        self.scaling.engine_idle(index)
+        for router in freed if self.config.max_outstanding else ():
+            self._admit_waiting(router)
+
+    def _finish(self, request: TurnRequest) -> None:
+        self._on_request_done()
+        self.sessions.turn_ended(request.session, request.turn)
+
+    def _result(self) -> ReplayResult:
+        first = self.routers[0].routes
+        return ReplayResult(
+            self.workload.name,
+            self.policy_name,
+            self.config,
+            list(self.metrics.records.values()),
+            self.engines.engines,
+            self.events.now,
+            self.metrics.shared_prefix_evictions,
+            self.routers.dispatched_per_replica(),
+            self.scaling.fleet_sizes,
+            self.scaling.scale_events,
+            [change for policy in first.policies.values() for change in policy.hot_set_changes()],
+        )
+
+
+class _Sessions:
+    """When each session's turns arrive: all sessions at their start times (open loop,
+    or a trace's timestamps), or ``num_users`` users playing one session after
+    another (closed loop); a session's next turn its think time after the last ends."""
+
+    def __init__(self, workload: Workload, events: EventQueue, request_s: float) -> None:
+        self._workload, self._events, self._request_s = workload, events, request_s
+        self._idle = list(range(len(workload.sessions)))[::-1]  # for closed loop's users
+
+    def start(self) -> None:
+        if self._workload.arrival == "closed":
+            for _ in range(min(self._workload.num_users, len(self._idle))):
+                self._events.schedule(0.0, TurnArrives(self._idle.pop(), 0))
+            return
+        for index, session in enumerate(self._workload.sessions):
+            self._events.schedule(session.start_time_s, TurnArrives(index, 0))
+        self._idle.clear()
+
+    def turn_ended(self, session_index: int, turn_index: int) -> None:
+        """Schedule the session's next turn, or the user's next session."""
+        if self._workload.arrival == "trace":
+            return
+        turns = self._workload.sessions[session_index].turns
+        ended = self._events.now + self._request_s  # as the client sees it
+        if turn_index + 1 < len(turns):
+            self._events.schedule(
+                ended + turns[turn_index + 1].think_time_s,
+                TurnArrives(session_index, turn_index + 1),
+            )
+        elif self._idle:
+            self._events.schedule(ended, TurnArrives(self._idle.pop(), 0))
+
+
+def _adapters_by_model(workload: Workload) -> dict[str, set[str]]:
+    """The LoRA adapters the workload asks for, by the model they sit on."""
+    adapters: dict[str, set[str]] = {}
+    for session in workload.sessions:
+        if session.model is not None and session.adapter is not None:
+            adapters.setdefault(session.model, set()).add(session.adapter)
+    return adapters
