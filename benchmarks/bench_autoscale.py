@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,15 +54,16 @@ class Run:
 
 
 def command(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "prefix_router", *args], capture_output=True,
-                          text=True, env=LOOPBACK, timeout=300)  # fmt: skip
+    argv = [sys.executable, "-m", "prefix_router", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, env=LOOPBACK, timeout=300)
     if done.returncode:
         raise RuntimeError(f"prefix-router {args[0]} failed: {done.stderr}")
     return done
 
 
-async def conversation(client: httpx.AsyncClient, url: str, run: Run, index: int,
-                       until: list[float], started: float) -> None:  # fmt: skip
+async def conversation(
+    client: httpx.AsyncClient, url: str, run: Run, index: int, until: list[float], started: float
+) -> None:
     """One user's chat, turn after turn, until ``until[0]`` (moved by the driver)."""
     messages = [{"role": "system", "content": SYSTEMS[index % len(SYSTEMS)]}]
     turn = 0
@@ -122,23 +124,20 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run([ray, "get-auth-token", "--generate"], capture_output=True, env=LOOPBACK)
-    head = subprocess.run(
-        [ray, "start", "--head", "--port", str(free_port()), "--num-cpus", "2",
-         "--include-dashboard", "false", "--disable-usage-stats"],
-        capture_output=True, text=True, env=LOOPBACK,
-    )  # fmt: skip
+    start = [ray, "start", "--head", "--port", str(free_port()), "--num-cpus", "2"]
+    quiet = ["--include-dashboard", "false", "--disable-usage-stats"]
+    head = subprocess.run([*start, *quiet], capture_output=True, text=True, env=LOOPBACK)
     if head.returncode:
         raise SystemExit(f"ray start failed: {head.stderr}")
+    fleet = shlex.split(
+        "--replicas 2 --replica-speedup 0.2 --min-replicas 2 --max-replicas 4"
+        " --target-ongoing-requests 5 --upscale-delay-s 1 --downscale-delay-s 4 --interval-s 0.5"
+    )
     runs = []
     try:
         for rule in args.rules.split(","):
             port = free_port()
-            command(
-                "up", "--address", "auto", "--replicas", "2", "--port", str(port),
-                "--replica-speedup", "0.2", "--min-replicas", "2", "--max-replicas", "4",
-                "--target-ongoing-requests", "5", "--upscale-delay-s", "1",
-                "--downscale-delay-s", "4", "--interval-s", "0.5", "--scale-in", rule,
-            )  # fmt: skip
+            command("up", "--address", "auto", "--port", str(port), *fleet, "--scale-in", rule)
             run = Run(rule)
             try:
                 asyncio.run(drive(f"http://127.0.0.1:{port}", run, args))
@@ -147,8 +146,10 @@ def main() -> None:
             runs.append(run)
     finally:
         subprocess.run([ray, "stop", "--force"], capture_output=True, env=LOOPBACK)
-    print("| scale-in | requests | failed | fleet sizes | hit rate, all | hit rate from the "
-          "first drain |")  # fmt: skip
+    print(
+        "| scale-in | requests | failed | fleet sizes | hit rate, all | hit rate from the "
+        "first drain |"
+    )
     print("|---|---:|---:|---|---:|---:|")
     for run in runs:
         failed = sum(status != 200 for _, status, _, _ in run.answers)
@@ -157,8 +158,10 @@ def main() -> None:
         drain = run.first_drain()
         late = run.hit_rate_since(drain) if drain is not None else None
         whole = run.hit_rate_since(0.0)
-        print(f"| {run.rule} | {len(run.answers)} | {failed} | {' -> '.join(map(str, changes))} "
-              f"| {whole:.1%} | {'-' if late is None else f'{late:.1%}'} |")  # fmt: skip
+        print(
+            f"| {run.rule} | {len(run.answers)} | {failed} | {' -> '.join(map(str, changes))} "
+            f"| {whole:.1%} | {'-' if late is None else f'{late:.1%}'} |"
+        )
 
 
 if __name__ == "__main__":

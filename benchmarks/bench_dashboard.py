@@ -79,8 +79,11 @@ def polling(gateway: str, interval_s: float | None) -> Iterator[None]:
 
 def added_latency(replica: str, gateway: str, requests: int, blocks: int) -> None:
     body = {"prompt": "a short question for the fleet", "max_tokens": 1}
-    modes: dict[str, float | None] = {"no page": None, "page, every 2 s": 2.0,
-                                      "page, every 0.1 s": 0.1}  # fmt: skip
+    modes: dict[str, float | None] = {
+        "no page": None,
+        "page, every 2 s": 2.0,
+        "page, every 0.1 s": 0.1,
+    }
     direct: dict[str, list[float]] = {mode: [] for mode in modes}
     routed: dict[str, list[float]] = {mode: [] for mode in modes}
     with httpx.Client(timeout=30) as client:
@@ -97,8 +100,10 @@ def added_latency(replica: str, gateway: str, requests: int, blocks: int) -> Non
         d, g = np.array(direct[mode]) * 1e3, np.array(routed[mode]) * 1e3
         added50 = float(np.median(g) - np.median(d))
         added99 = float(np.percentile(g, 99) - np.percentile(d, 99))
-        print(f"  {mode:<18} added p50 {added50:6.3f}   p99 {added99:6.3f}"
-              f"   (gateway p50 {np.median(g):6.3f}, p99 {np.percentile(g, 99):6.3f})")  # fmt: skip
+        print(
+            f"  {mode:<18} added p50 {added50:6.3f}   p99 {added99:6.3f}"
+            f"   (gateway p50 {np.median(g):6.3f}, p99 {np.percentile(g, 99):6.3f})"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,8 +65,9 @@ class Gateways:
         if len(stats["backends"]) < self.replicas:
             return  # still finding the replicas: not routing as its peers do yet
         counts = [c for b in stats["backends"] for c in b["by_policy"].values()]
-        sample = Sample(at, sum(c["predictions"] for c in counts),
-                        sum(c["close_predictions"] for c in counts))  # fmt: skip
+        sample = Sample(
+            at, sum(c["predictions"] for c in counts), sum(c["close_predictions"] for c in counts)
+        )
         self.first_seen.setdefault(stats["pid"], at)
         self.samples.setdefault(stats["pid"], []).append(sample)
 
@@ -205,8 +206,8 @@ async def kill_one_mid_load(
 def serving(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """``serve`` on one shared port; its URL and port once every gateway routes."""
     port = processes.free_port()
-    command = ["serve", "--replicas", str(args.replicas), "--gateways", str(args.gateways),
-               "--replica-speedup", str(args.speedup)]  # fmt: skip
+    fleet = ["--replicas", str(args.replicas), "--gateways", str(args.gateways)]
+    command = ["serve", *fleet, "--replica-speedup", str(args.speedup)]
     process = processes.start(command, port)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -226,8 +227,10 @@ def report(run: Failover, windows_s: list[float]) -> None:
     outcomes, gateways = run.outcomes, run.gateways
     total = outcomes.ok + len(outcomes.failed)
     kinds = ", ".join(sorted(set(outcomes.failed))) or "none"
-    print(f"requests: {total}, failed: {len(outcomes.failed)} ({kinds}); the killed gateway "
-          f"held {run.held} connections")  # fmt: skip
+    print(
+        f"requests: {total}, failed: {len(outcomes.failed)} ({kinds}); the killed gateway "
+        f"held {run.held} connections"
+    )
     if run.successor is None or run.back_after_s is None:
         print("its successor never answered")
         return
@@ -239,8 +242,10 @@ def report(run: Failover, windows_s: list[float]) -> None:
     for begin, end in zip([0.0, *windows_s], windows_s, strict=False):
         mine, made = gateways.accuracy([run.successor], start + begin, start + end)
         theirs, peer_made = gateways.accuracy(peers, start + begin, start + end)
-        print(f"| {begin:.0f}-{end:.0f} s | {percent(mine)} ({made}) | "
-              f"{percent(theirs)} ({peer_made}) |")  # fmt: skip
+        print(
+            f"| {begin:.0f}-{end:.0f} s | {percent(mine)} ({made}) | "
+            f"{percent(theirs)} ({peer_made}) |"
+        )
 
 
 def percent(value: float | None) -> str:

@@ -195,9 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--prompt-tokens", type=int, default=0,
+        "--prompt-tokens",
+        type=int,
+        default=0,
         help="measure only the latency added to chat turns of this long a seen history",
-    )  # fmt: skip
+    )
     parser.add_argument("--stream", action="store_true", help="with --prompt-tokens: streamed")
     args = parser.parse_args(argv)
     if args.prompt_tokens:

@@ -117,16 +117,19 @@ def bench_tokenizing(tokenizer: HFTokenizer, prompt_tokens: int, repeats: int) -
 
     messages = [{"role": "system", "content": text(1500)}]
     while len(tokenizer.apply_chat_template(messages)) < prompt_tokens:
-        messages += [{"role": "user", "content": text(100)},
-                     {"role": "assistant", "content": text(300)}]  # fmt: skip
+        messages += [
+            {"role": "user", "content": text(100)},
+            {"role": "assistant", "content": text(300)},
+        ]
     timings: dict[str, list[float]] = {"render": [], "whole": [], "cached": []}
     for _ in range(repeats):
         turn = [*messages, {"role": "user", "content": text(30)}]
         tokenizer.pieces.clear()
         tokenizer.apply_chat_template(messages)  # the turn before, as the gateway saw it
         start = time.perf_counter()
-        rendered = tokenizer.render(messages=turn, add_generation_prompt=True,
-                                    **tokenizer.special_tokens)  # fmt: skip
+        rendered = tokenizer.render(
+            messages=turn, add_generation_prompt=True, **tokenizer.special_tokens
+        )
         rendered_at = time.perf_counter()
         whole = tokenizer.tokenizer.encode(rendered, add_special_tokens=False).ids
         whole_at = time.perf_counter()
@@ -171,8 +174,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         if tokens >= HEAD_TOKENS:
             seen_us = bench_seen_turn(tokens, 200, 10 * args.repeats)
-            print(f"keying the next turn (200 new tokens) of a {tokens}-token conversation "
-                  f"the gateway has seen: {seen_us:.1f} us")  # fmt: skip
+            print(
+                f"keying the next turn (200 new tokens) of a {tokens}-token conversation "
+                f"the gateway has seen: {seen_us:.1f} us"
+            )
     tokenizer = HFTokenizer.load(Path(args.tokenizer)) if args.tokenizer else default_tokenizer()
     for tokens in (int(n) for n in args.prompt_tokens.split(",")):
         ms = bench_tokenizing(tokenizer, tokens, args.tokenize_repeats)

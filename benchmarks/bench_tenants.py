@@ -75,9 +75,11 @@ def tenant_workload(rates: dict[str, float], seconds: float, seed: int = 0) -> W
         while at < seconds:
             messages: tuple[Message, ...] = (
                 {"role": "system", "content": system},
-                {"role": "user", "content": f"Question {question}: what is a "
-                                            f"{WORDS[question % len(WORDS)]}?"},
-            )  # fmt: skip
+                {
+                    "role": "user",
+                    "content": f"Question {question}: what is a {WORDS[question % len(WORDS)]}?",
+                },
+            )
             prompt = tokenizer.apply_chat_template(messages)
             turn = Turn(lambda prompt=prompt: prompt, REPLY_TOKENS, messages=messages)
             sessions.append(
@@ -144,12 +146,11 @@ def live(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[st
         keys = Path(tmp) / "keys.txt"
         keys.write_text("".join(f"key-{name} {name}\n" for name in outcomes))
         with running(*[replica] * args.replicas) as replicas:
-            gateway = [
-                "gateway", *[f"--backend={u}" for u in replicas], "--api-keys-file", str(keys),
-                "--max-outstanding-per-replica", str(args.max_outstanding),
-                "--fair-reserve-per-replica", str(args.reserve),
-                "--fairness", fairness, "--max-queued", "100000", "--queue-timeout-s", "300",
-            ]  # fmt: skip
+            backends = [f"--backend={u}" for u in replicas]
+            slots = ["--max-outstanding-per-replica", str(args.max_outstanding)]
+            slots += ["--fair-reserve-per-replica", str(args.reserve), "--fairness", fairness]
+            queue = ["--max-queued", "100000", "--queue-timeout-s", "300"]
+            gateway = ["gateway", *backends, "--api-keys-file", str(keys), *slots, *queue]
             with running(gateway) as (url,):
                 asyncio.run(offer(url, workload, outcomes))
     return outcomes
@@ -158,9 +159,12 @@ def live(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[st
 def twin(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[str, Outcome]:
     """The same requests on simulated replicas in virtual time (as ``replay``)."""
     config = ReplayConfig(
-        replicas=args.replicas, compute_scale=args.speedup, max_outstanding=args.max_outstanding,
-        fair_reserve_per_replica=args.reserve, fairness=fairness,
-    )  # fmt: skip
+        replicas=args.replicas,
+        compute_scale=args.speedup,
+        max_outstanding=args.max_outstanding,
+        fair_reserve_per_replica=args.reserve,
+        fairness=fairness,
+    )
     outcomes = {name: Outcome() for name in tenants_of(workload)}
     for record in replay(workload, config, "cache_aware").records:
         outcome = outcomes[record.tenant or ""]
@@ -206,8 +210,10 @@ def main() -> None:
     args = parser.parse_args()
     # killed (by ``timeout``, say): unwind, so ``running`` stops the servers it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    print("| run | tenant | answered | TTFT p50 | TTFT p99 | twin p50 | twin p99 "
-          "| refused (429) | failed |")  # fmt: skip
+    print(
+        "| run | tenant | answered | TTFT p50 | TTFT p99 | twin p50 | twin p99 "
+        "| refused (429) | failed |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     runs = [("steady alone", "prefill", STEADY)]
     runs += [(f"with noisy, {f}", f, {**STEADY, **NOISY}) for f in args.fairness.split(",")]

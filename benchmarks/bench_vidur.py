@@ -32,9 +32,16 @@ LAYERS = 32  # Llama-3-8B
 
 #: The operators outside attention that Vidur sums per layer (execution_time.py).
 LINEAR_OPS = (
-    "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
-)  # fmt: skip
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 ATTENTION_OPS = ("attn_prefill", "attn_decode")
 #: Vidur adds the KV cache's write as measured: 0.55 us a token in prefill (4.6 ms a
 #: layer at 8k tokens, more than its attention), far above the 4 KiB a token cost at
@@ -90,8 +97,12 @@ def load_vidur(prefix: str) -> VidurProfile:
     kv_save: dict[tuple[bool, int, int, int], list[float]] = defaultdict(list)
     with open(DATA / f"{prefix}_attention.csv") as rows:
         for row in csv.DictReader(rows):
-            key = (row["is_prefill"] == "True", int(row["batch_size"]),
-                   int(row["prefill_chunk_size"]), int(row["kv_cache_size"]))  # fmt: skip
+            key = (
+                row["is_prefill"] == "True",
+                int(row["batch_size"]),
+                int(row["prefill_chunk_size"]),
+                int(row["kv_cache_size"]),
+            )
             ops = sum(float(row[f"time_stats.{op}.median"]) for op in ATTENTION_OPS)
             attention[key].append(ops)
             kv_save[key].append(float(row[f"time_stats.{KV_SAVE}.median"]))
@@ -128,10 +139,16 @@ def derived_h100(a100: VidurProfile, h100_llama2: dict[str, dict[int, float]]) -
 #: QKV 4096 x (4096 + 2 x 1024) against 4096 x 3 x 4096; rotary over 32 + 8 heads
 #: against 32 + 32; MLP hidden 14,336 against 11,008; the rest the same shape.
 H100_WEIGHT_RATIO = {
-    "input_layernorm": 1.0, "attn_pre_proj": 6144 / 12288, "attn_rope": 40 / 64,
-    "attn_post_proj": 1.0, "post_attention_layernorm": 1.0, "mlp_up_proj": 14336 / 11008,
-    "mlp_act": 14336 / 11008, "mlp_down_proj": 14336 / 11008, "add": 1.0,
-}  # fmt: skip
+    "input_layernorm": 1.0,
+    "attn_pre_proj": 6144 / 12288,
+    "attn_rope": 40 / 64,
+    "attn_post_proj": 1.0,
+    "post_attention_layernorm": 1.0,
+    "mlp_up_proj": 14336 / 11008,
+    "mlp_act": 14336 / 11008,
+    "mlp_down_proj": 14336 / 11008,
+    "add": 1.0,
+}
 
 
 def load_ops(path: Path) -> dict[str, dict[int, float]]:
@@ -145,8 +162,14 @@ def load_ops(path: Path) -> dict[str, dict[int, float]]:
 
 
 #: (label, cached, new tokens) and (label, batch, context per sequence).
-PREFILLS = [("512", 0, 512), ("2k", 0, 2048), ("8k", 0, 8192), ("16k", 0, 16384),
-            ("32k", 0, 32768), ("8k after 1.5k cached", 1536, 6656)]  # fmt: skip
+PREFILLS = [
+    ("512", 0, 512),
+    ("2k", 0, 2048),
+    ("8k", 0, 8192),
+    ("16k", 0, 16384),
+    ("32k", 0, 32768),
+    ("8k after 1.5k cached", 1536, 6656),
+]
 DECODES = [(f"batch {b}, {c // 1024}k context", b, c) for c in (1024, 8192) for b in (1, 16, 64)]
 
 
@@ -169,24 +192,35 @@ def comparison(ours: Roofline, vidur: VidurProfile) -> list[Row]:
     and without its KV-cache write)."""
     whole, layers = ours.profile(), ours.layers_only().profile()
     rows = [
-        Row(f"prefill {label}", whole.prefill_time(c, n), layers.prefill_time(c, n),
-            vidur.prefill_s(c, n), vidur.prefill_s(c, n, kv_save=False))
+        Row(
+            f"prefill {label}",
+            whole.prefill_time(c, n),
+            layers.prefill_time(c, n),
+            vidur.prefill_s(c, n),
+            vidur.prefill_s(c, n, kv_save=False),
+        )
         for label, c, n in PREFILLS
-    ]  # fmt: skip
+    ]
     rows += [
-        Row(f"decode {label}", next(whole.decode_step_times(b, b * c, 1)),
-            next(layers.decode_step_times(b, b * c, 1)), vidur.decode_s(b, c),
-            vidur.decode_s(b, c, kv_save=False))
+        Row(
+            f"decode {label}",
+            next(whole.decode_step_times(b, b * c, 1)),
+            next(layers.decode_step_times(b, b * c, 1)),
+            vidur.decode_s(b, c),
+            vidur.decode_s(b, c, kv_save=False),
+        )
         for label, b, c in DECODES
-    ]  # fmt: skip
+    ]
     return rows
 
 
 def vidur_profiles() -> dict[str, tuple[Roofline, VidurProfile]]:
     a100 = load_vidur("a100_llama3_8b")
     h100 = derived_h100(a100, load_ops(DATA / "h100_llama2_7b_mlp.csv"))
-    return {"A100 (Vidur's profile)": (LLAMA3_8B_A100, a100),
-            "H100 (derived from Vidur's Llama-2-7B)": (LLAMA3_8B_H100, h100)}  # fmt: skip
+    return {
+        "A100 (Vidur's profile)": (LLAMA3_8B_A100, a100),
+        "H100 (derived from Vidur's Llama-2-7B)": (LLAMA3_8B_H100, h100),
+    }
 
 
 def main() -> None:
@@ -195,8 +229,11 @@ def main() -> None:
         print(f"{'step':<30}{'ours':>9}{'layers':>9}{'Vidur':>9}{'no KV save':>12}{'ratio':>7}")
         for row in comparison(roofline, vidur):
             times = (row.ours_s, row.ours_layers_s, row.vidur_s)
-            print(f"{row.label:<30}" + "".join(f"{t * 1e3:>9.2f}" for t in times)
-                  + f"{row.vidur_unsaved_s * 1e3:>12.2f}{row.ratio:>7.2f}")  # fmt: skip
+            print(
+                f"{row.label:<30}"
+                + "".join(f"{t * 1e3:>9.2f}" for t in times)
+                + f"{row.vidur_unsaved_s * 1e3:>12.2f}{row.ratio:>7.2f}"
+            )
     print("\nVidur's figures are GPU kernel time of the 32 layers, without embedding, LM head")
     print("or CPU overhead: 'layers' is our step so (the ratio is layers over Vidur without")
     print("its KV save); 'ours' is the whole step the replayer times, overheads included.")

@@ -42,10 +42,13 @@ def main() -> None:
     for profile in args.profiles:
         print(f"{profile}:\n{'policy':<20}{'hit rate':>9}{'TTFT p50':>11}{'p99':>11}")
         twin = ReplayConfig(
-            replicas=2, profile=profile, max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
-            max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS, host_blocks=0,
+            replicas=2,
+            profile=profile,
+            max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
+            host_blocks=0,
             routing=routing,
-        )  # fmt: skip
+        )
         for policy in POLICIES:
             row = replay_row(replay(workload, twin, policy))
             p50, p99 = row["ttft_p50_s"] * 1e3, row["ttft_p99_s"] * 1e3

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import psutil
 
+from deploy import processes
 from deploy.processes import free_port
 from replica.api import stats as stats_codec
 from replica.api.stats import ReplicaStats
@@ -190,10 +191,66 @@ def vllm_work_folders() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*")}
 
 
-def prefix_router(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
-    """A ``prefix-router`` command run to its end, its output captured."""
+@contextlib.contextmanager
+def leaves_no_vllm_behind(timeout_s: float = 30.0) -> Iterator[None]:
+    """The vLLM servers started inside are gone once it ends: every process of theirs
+    stopped (within ``timeout_s``), every work folder removed. Nothing is checked when
+    the body fails: its own error is the one to see."""
+    before, folders = {p.pid for p in vllm_processes()}, vllm_work_folders()
+    yield
+
+    def stopped() -> bool:
+        return {p.pid for p in vllm_processes()} <= before
+
+    wait_for(stopped, timeout_s, "every vLLM server stopped")
+    assert vllm_work_folders() <= folders, "a vLLM server's work folder was left behind"
+
+
+@contextlib.contextmanager
+def logged_process(
+    command: list[str], log: Path, ready_s: float = 60.0, stop_s: float = 30.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``prefix-router COMMAND`` on a free port, its stderr (its log) to ``log``: its URL
+    once it answers, and its process; stopped (SIGINT, then a kill after ``stop_s``)
+    however the caller ends."""
+    port = free_port()
+    with open(log, "w") as output:
+        process = processes.start(command, port, stderr=output)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_until(url, process, timeout_s=ready_s)
+        yield url, process
+    finally:
+        processes.stop(process, timeout_s=stop_s)
+
+
+@contextlib.contextmanager
+def logged_gateway(log: Path, *flags: str) -> Iterator[str]:
+    """A gateway started with ``flags``, its log to ``log``: its URL, as ``logged_process``."""
+    with logged_process(["gateway", *flags], log) as (url, _):
+        yield url
+
+
+def loopback_env(**more: str) -> dict[str, str]:
+    """This process's environment, with Ray kept on 127.0.0.1 (see conftest.py), and
+    ``more``: for the commands the tests start."""
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **more}
+
+
+def prefix_router(
+    *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """A ``prefix-router`` command run to its end (in ``env``, else ``loopback_env()``),
+    its output captured."""
     command = [sys.executable, "-m", "prefix_router", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env or loopback_env(),
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str = "") -> float:

@@ -4,6 +4,7 @@ after it, a replica leaving only once its requests have ended, none failing."""
 from __future__ import annotations
 
 import asyncio
+import shlex
 import time
 
 import httpx
@@ -13,11 +14,10 @@ from tests.deploy.test_serve import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-SCALING = [
-    "--replicas", "1", "--replica-speedup", "0.2", "--min-replicas", "1", "--max-replicas", "2",
-    "--target-ongoing-requests", "4", "--upscale-delay-s", "1", "--downscale-delay-s", "3",
-    "--interval-s", "0.5",
-]  # fmt: skip
+SCALING = shlex.split(
+    "--replicas 1 --replica-speedup 0.2 --min-replicas 1 --max-replicas 2"
+    " --target-ongoing-requests 4 --upscale-delay-s 1 --downscale-delay-s 3 --interval-s 0.5"
+)
 
 
 def test_the_fleet_grows_under_a_burst_and_shrinks_after_it_failing_nothing():

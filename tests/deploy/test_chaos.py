@@ -89,8 +89,9 @@ def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
 
 
 def test_a_gateway_killed_mid_load_fails_only_its_requests_and_comes_back_warm():
-    args = argparse.Namespace(gateways=4, replicas=2, speedup=1.0, rate=12.0, conversations=24,
-                              seconds=16.0, kill_at=5.0)  # fmt: skip
+    args = argparse.Namespace(
+        gateways=4, replicas=2, speedup=1.0, rate=12.0, conversations=24, seconds=16.0, kill_at=5.0
+    )
     with failover.serving(args) as (url, port):
         gateways = failover.Gateways(url, args.replicas)
         run = asyncio.run(failover.kill_one_mid_load(url, port, gateways, args))

@@ -35,24 +35,32 @@ BACKEND = "http://127.0.0.1:9"
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["gateway", "--backend", "127.0.0.1:8001"], "its URL needs http:// or https:// (say "
-         "http://127.0.0.1:8001)"),
+        (
+            ["gateway", "--backend", "127.0.0.1:8001"],
+            "its URL needs http:// or https:// (say http://127.0.0.1:8001)",
+        ),
         (["gateway", "--backend", "http://127.0.0.1:x"], "its port is not a number"),
-        (["gateway", "--backend", BACKEND, "--max-retries", "-1"],
-         "--max-retries must be at least 0, got -1"),
-        (["gateway", "--backend", BACKEND, "--max-outstanding-per-replica", "0"],
-         "--max-outstanding-per-replica must be at least 1, got 0"),
-        (["gateway", "--backend", BACKEND, "--upstream-timeout-s", "0"],
-         "--upstream-timeout-s must be positive"),
+        (
+            ["gateway", "--backend", BACKEND, "--max-retries", "-1"],
+            "--max-retries must be at least 0, got -1",
+        ),
+        (
+            ["gateway", "--backend", BACKEND, "--max-outstanding-per-replica", "0"],
+            "--max-outstanding-per-replica must be at least 1, got 0",
+        ),
+        (
+            ["gateway", "--backend", BACKEND, "--upstream-timeout-s", "0"],
+            "--upstream-timeout-s must be positive",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_gateway_refuses_what_would_fail_every_request(args, says):
     assert says in refused(*args)
 
 
 def test_a_chat_template_path_that_does_not_exist_is_not_taken_for_a_template(tiny_model):
-    line = refused("gateway", "--backend", BACKEND, "--tokenizer", str(tiny_model),
-                   "--chat-template", "templates/mistyped.jinja")  # fmt: skip
+    template = ("--chat-template", "templates/mistyped.jinja")
+    line = refused("gateway", "--backend", BACKEND, "--tokenizer", str(tiny_model), *template)
     assert "'templates/mistyped.jinja' looks like a file's path, but there is no such file" in line
 
 
@@ -80,10 +88,12 @@ def test_an_unreachable_bench_target_is_not_called_a_foreign_one():
     [
         ('{"timestamp": 0, "input_length": 10}', "missing output_length, hash_ids"),
         ("not json", "not JSON"),
-        ('{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": [1]}',
-         "must be numbers"),
+        (
+            '{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": [1]}',
+            "must be numbers",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_trace_line_is_named_by_file_and_line(tmp_path: Path, text, says):
     trace = tmp_path / "trace.jsonl"
     good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'

@@ -26,21 +26,20 @@ from tests.loadtest.test_bench import TINY, check_report
 from tests.shared import (
     VLLM_ARGS,
     gateway_stats,
-    vllm_processes,
-    vllm_work_folders,
+    leaves_no_vllm_behind,
+    loopback_env,
+    prefix_router,
     wait_for,
     wait_until_checked,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-LOOPBACK = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep Ray on 127.0.0.1
-
 
 def ray_cli(*args: str) -> subprocess.CompletedProcess:
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     return subprocess.run(
-        [ray, *args], capture_output=True, text=True, env=LOOPBACK, timeout=120, check=False
+        [ray, *args], capture_output=True, text=True, env=loopback_env(), timeout=120, check=False
     )
 
 
@@ -52,22 +51,13 @@ def head() -> Iterator[str]:
     # ray.init() writes one): make one as Ray's docs say, so the module runs alone too.
     assert ray_cli("get-auth-token", "--generate").returncode == 0
     port = free_port()
-    started = ray_cli(
-        "start", "--head", "--port", str(port), "--num-cpus", "2",
-        "--include-dashboard", "false", "--disable-usage-stats",
-    )  # fmt: skip
+    quiet = ["--include-dashboard", "false", "--disable-usage-stats"]
+    started = ray_cli("start", "--head", "--port", str(port), "--num-cpus", "2", *quiet)
     assert started.returncode == 0, started.stderr
     try:
         yield f"127.0.0.1:{port}"
     finally:
         ray_cli("stop", "--force")
-
-
-def prefix_router(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "prefix_router", *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=LOOPBACK, timeout=300, check=False
-    )
 
 
 def up_two_replicas() -> tuple[int, str, subprocess.CompletedProcess]:
@@ -127,12 +117,10 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
 @pytest.mark.vllm
 def test_up_grows_from_two_replicas_to_four_under_a_burst_and_back_failing_nothing(head):
     port = free_port()
-    done = prefix_router(
-        "up", "--address", "auto", "--replicas", "2", "--port", str(port),
-        "--replica-speedup", "0.2", "--min-replicas", "2", "--max-replicas", "4",
-        "--target-ongoing-requests", "4", "--upscale-delay-s", "1", "--downscale-delay-s", "3",
-        "--interval-s", "0.5",
-    )  # fmt: skip
+    bounds = ["--min-replicas", "2", "--max-replicas", "4", "--target-ongoing-requests", "4"]
+    delays = ["--upscale-delay-s", "1", "--downscale-delay-s", "3", "--interval-s", "0.5"]
+    fleet = ["--replicas", "2", "--replica-speedup", "0.2", *bounds, *delays]
+    done = prefix_router("up", "--address", "auto", "--port", str(port), *fleet)
     assert done.returncode == 0, done.stderr
     assert "autoscaling: 2 to 4 replicas (scale-in by cache)" in done.stdout
     try:
@@ -150,36 +138,34 @@ def test_up_grows_from_two_replicas_to_four_under_a_burst_and_back_failing_nothi
 def test_a_vllm_replica_on_a_ray_start_cluster_up_status_and_down(head, tiny_model):
     """A CPU server takes every core of its node: this one-node cluster holds one, which
     `up` places, the gateway routes precisely, and `down` stops with its files."""
-    before, folders = {p.pid for p in vllm_processes()}, vllm_work_folders()
     engine = ["--engine", "vllm", "--model", str(tiny_model)]
-    refused = prefix_router("up", "--address", "auto", *engine, "--replicas", "2")
-    assert refused.returncode == 2
-    refusal = "one vLLM replica per node (it takes every core), and the cluster has 1"
-    assert refusal in refused.stderr
-    assert "replica-" not in prefix_router("status", "--address", "auto").stdout
+    with leaves_no_vllm_behind():  # the server stops with its actor, its files removed
+        refused = prefix_router("up", "--address", "auto", *engine, "--replicas", "2")
+        assert refused.returncode == 2
+        refusal = "one vLLM replica per node (it takes every core), and the cluster has 1"
+        assert refusal in refused.stderr
+        assert "replica-" not in prefix_router("status", "--address", "auto").stdout
 
-    port = free_port()
-    try:
-        done = prefix_router("up", "--address", "auto", *engine, "--replicas", "1",
-                             "--port", str(port), "--engine-arg", " ".join(VLLM_ARGS))  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        gateway = f"http://127.0.0.1:{port}"
-        stats = wait_until_checked(gateway, 1)
-        assert [(b.engine, b.routing_mode, b.block_size) for b in stats.backends] == [
-            ("vllm", "precise", 32)
-        ]
-        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=3)
-        reply = client.completions.create(model=str(tiny_model), prompt="Hello, fleet",
-                                          max_tokens=4)  # fmt: skip
-        assert reply.usage.completion_tokens == 4
-        (line,) = [x for x in prefix_router("status", "--address", "auto").stdout.splitlines()
-                   if x.startswith("replica-0")]  # fmt: skip
-        assert " ok " in line and line.endswith("precise")
-    finally:
-        down = prefix_router("down", "--address", "auto")
-    assert down.returncode == 0 and "removed 2 actors" in down.stdout
-    assert {p.pid for p in vllm_processes()} <= before  # the server stopped with its actor
-    assert vllm_work_folders() <= folders  # and its files removed
+        port = free_port()
+        one = [*engine, "--engine-arg", " ".join(VLLM_ARGS), "--replicas", "1"]
+        try:
+            done = prefix_router("up", "--address", "auto", *one, "--port", str(port))
+            assert done.returncode == 0, done.stderr
+            gateway = f"http://127.0.0.1:{port}"
+            stats = wait_until_checked(gateway, 1)
+            backends = [(b.engine, b.routing_mode, b.block_size) for b in stats.backends]
+            assert backends == [("vllm", "precise", 32)]
+            client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=3)
+            reply = client.completions.create(
+                model=str(tiny_model), prompt="Hello, fleet", max_tokens=4
+            )
+            assert reply.usage.completion_tokens == 4
+            status = prefix_router("status", "--address", "auto").stdout.splitlines()
+            (line,) = [x for x in status if x.startswith("replica-0")]
+            assert " ok " in line and line.endswith("precise")
+        finally:
+            down = prefix_router("down", "--address", "auto")
+        assert down.returncode == 0 and "removed 2 actors" in down.stdout
 
 
 def test_up_on_a_busy_port_names_it_and_leaves_no_gateway_behind(head):
@@ -198,9 +184,8 @@ def test_up_on_a_busy_port_names_it_and_leaves_no_gateway_behind(head):
 
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):
-    wrong = {**LOOPBACK, "RAY_AUTH_TOKEN": "0" * 32}
-    command = [sys.executable, "-m", "prefix_router", "status", "--address", head]
-    done = subprocess.run(command, capture_output=True, text=True, env=wrong, timeout=120)
+    wrong = loopback_env(RAY_AUTH_TOKEN="0" * 32)
+    done = prefix_router("status", "--address", head, env=wrong, timeout_s=120)
     assert done.returncode == 2
     assert f"the Ray cluster at {head} refused this machine's authentication token" in done.stderr
 
@@ -237,8 +222,8 @@ def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it_and_a_killed_ga
             return stats.pid != killed and sum(b.healthy for b in stats.backends) == 2
 
         wait_for(back, 60, "the killed gateway restarted by Ray, serving on its port")
-        answer = httpx.post(gateway + "/v1/completions", timeout=30,
-                            json={"prompt": "back again", "max_tokens": 2})  # fmt: skip
+        body = {"prompt": "back again", "max_tokens": 2}
+        answer = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
         assert answer.status_code == 200
     finally:
         ray.shutdown()

@@ -11,8 +11,10 @@ from tests.shared import prefix_router
 def test_each_entry_gives_its_replicas_its_model_and_adapters():
     engines = fleet_engines(["llama=2:sql,chat", "qwen=1"], 4, ReplicaConfig(speedup=5))
     assert [(e.model, e.lora_modules) for e in engines] == [
-        ("llama", "sql,chat"), ("llama", "sql,chat"), ("qwen", ""),
-    ]  # fmt: skip
+        ("llama", "sql,chat"),
+        ("llama", "sql,chat"),
+        ("qwen", ""),
+    ]
     assert {e.speedup for e in engines} == {5}
     assert fleet_engines([], 3, ReplicaConfig()) == [ReplicaConfig()] * 3
 

@@ -20,9 +20,9 @@ from deploy.processes import running
 pytestmark = pytest.mark.slow
 
 BOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefix-router.json"
+MODIFIERS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
 #: PromQL's words that are not metric names (aggregations and functions are followed by "(").
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-            "unless", "offset"}  # fmt: skip
+KEYWORDS = MODIFIERS | {"and", "or", "unless"}
 
 
 def metric_names(expr: str) -> set[str]:

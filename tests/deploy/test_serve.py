@@ -30,10 +30,8 @@ def serving(*flags: str, announced: bool = False) -> Iterator[tuple[str, subproc
     the gateway answers."""
     before = ray_processes()
     port = free_port()
-    command = [
-        sys.executable, "-m", "prefix_router", "serve", "--replicas", "2", "--port", str(port),
-        "--replica-speedup", "20", *flags,
-    ]  # fmt: skip
+    serve = [sys.executable, "-m", "prefix_router", "serve", "--port", str(port)]
+    command = [*serve, "--replicas", "2", "--replica-speedup", "20", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -119,15 +117,21 @@ def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
     fleet = ("--fleet", "llama=2:sql", "--fleet", "qwen=1", "--gateways", "2")
     with serving(*fleet) as (url, _):
         wait_for(lambda: len(httpx.get(url + "/stats").json()["backends"]) == 3, timeout_s=30)
-        serves = {"llama": {"replica-0", "replica-1"}, "sql": {"replica-0", "replica-1"},
-                  "qwen": {"replica-2"}}  # fmt: skip
+        serves = {
+            "llama": {"replica-0", "replica-1"},
+            "sql": {"replica-0", "replica-1"},
+            "qwen": {"replica-2"},
+        }
         models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert models == ["llama", "qwen", "sql"]
         gateways = set()
         for turn in range(10):
             for model, replicas in serves.items():
-                body = {"model": model, "prompt": f"A {model} fleet. " * 40 + str(turn),
-                        "max_tokens": 2}  # fmt: skip
+                body = {
+                    "model": model,
+                    "prompt": f"A {model} fleet. " * 40 + str(turn),
+                    "max_tokens": 2,
+                }
                 reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
                 assert reply.status_code == 200, reply.text
                 assert reply.headers["x-prefix-router-replica"] in replicas

@@ -16,14 +16,15 @@ import openai
 import psutil
 import pytest
 
-from deploy import processes
 from replica.api.cost_model import PROFILES
+from router.stats import BackendStats
 from tests.loadtest.test_bench import TINY_ON_A_CORE, bench, check_report
 from tests.shared import (
     VLLM_ARGS,
     gateway_stats,
+    leaves_no_vllm_behind,
+    logged_process,
     vllm_processes,
-    vllm_work_folders,
     wait_for,
     wait_until_checked,
 )
@@ -60,6 +61,39 @@ async def load(url: str, model: str, rate: float, seconds: float) -> list[int | 
         return list(await asyncio.gather(*tasks))
 
 
+async def kill_mid_load(
+    url: str, model: str, victim: BackendStats, pid: int
+) -> tuple[list[int | str], bool]:
+    """Eight seconds of load at eight requests a second, with ``victim``'s vLLM server
+    (process ``pid``) killed two seconds in: each request's outcome, and whether the
+    gateway was seen to remove the victim before the load ended."""
+    killed, removed = asyncio.Event(), False
+
+    async def kill_later() -> None:
+        await asyncio.sleep(2.0)
+        os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer would
+        killed.set()
+
+    async def watch() -> None:  # until the load ends, or it is seen removed
+        nonlocal removed
+        await killed.wait()
+        async with httpx.AsyncClient(timeout=10) as stats_client:
+            while not removed:
+                try:  # a busy machine may answer slowly: not what is tested here
+                    stats = (await stats_client.get(f"{url}/stats")).json()
+                except httpx.TimeoutException:
+                    continue
+                removed = not any(
+                    b["healthy"] and b["replica_id"] == victim.replica_id for b in stats["backends"]
+                )
+                await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    statuses, _ = await asyncio.gather(load(url, model, 8, 8), kill_later())
+    await asyncio.wait_for(watcher, 30)
+    return statuses, removed
+
+
 def compare_routers(url: str, model: Path, out: Path) -> None:
     """`make demo-vllm` in small: round robin, SGLang's router and ours, each in front
     of the same two vLLM servers, hits counted by vLLM itself and by its answers; beside
@@ -68,8 +102,8 @@ def compare_routers(url: str, model: Path, out: Path) -> None:
     policies = ["round_robin", "sglang_router", "cache_aware"]
     profile = out.with_suffix(".profile.json")
     replace(PROFILES["llama3-8b-h100"], costs=TINY_ON_A_CORE, kv_tokens=8192).save(profile)
-    done = bench(out, "--gateway", url, "--model", str(model),
-                 "--policies", ",".join(policies), "--replay-profile", str(profile))  # fmt: skip
+    target = ["--gateway", url, "--model", str(model)]
+    done = bench(out, *target, "--policies", ",".join(policies), "--replay-profile", str(profile))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = check_report(out, policies)
     ours = rows[2]
@@ -79,88 +113,50 @@ def compare_routers(url: str, model: Path, out: Path) -> None:
 
 
 def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model, tmp_path):
-    before = {p.pid for p in vllm_processes()}
-    folders = vllm_work_folders()
-    port = processes.free_port()
-    command = ["serve", "--engine", "vllm", "--model", str(tiny_model), "--replicas", "2",
-               "--stride", "1", "--engine-arg", " ".join(VLLM_ARGS)]  # fmt: skip
-    with open(tmp_path / "serve.log", "w") as log:
-        process = processes.start(command, port, stderr=log)
-    url, model = f"http://127.0.0.1:{port}", str(tiny_model)
-    try:
-        processes.wait_until(url, process, timeout_s=300)
-        stats = wait_until_checked(url, 2)
-        # The gateway configured itself from the engines: their block size and model.
-        assert (stats.config.routing.block_size, stats.config.model) == (32, model)
-        assert [(b.engine, b.routing_mode) for b in stats.backends] == [("vllm", "precise")] * 2
+    model, log = str(tiny_model), tmp_path / "serve.log"
+    engine = ["--engine", "vllm", "--model", model, "--engine-arg", " ".join(VLLM_ARGS)]
+    command = ["serve", *engine, "--replicas", "2", "--stride", "1"]
+    with leaves_no_vllm_behind():
+        with logged_process(command, log, ready_s=300, stop_s=60) as (url, process):
+            stats = wait_until_checked(url, 2)
+            # The gateway configured itself from the engines: their block size and model.
+            assert (stats.config.routing.block_size, stats.config.model) == (32, model)
+            assert [(b.engine, b.routing_mode) for b in stats.backends] == [("vllm", "precise")] * 2
 
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list().data] == [model]
-        system = {"role": "system", "content": "You are a careful assistant. " * 80}
-        replies = [
-            client.chat.completions.with_raw_response.create(
-                model=model, messages=[system, {"role": "user", "content": q}], max_tokens=4
-            )
-            for q in ("What is a KV cache?", "And a prefix cache?")
-        ]
-        cached = [r.parse().usage.prompt_tokens_details.cached_tokens for r in replies]
-        assert cached[0] == 0 and cached[1] > 400
-        assert int(replies[1].headers["x-prefix-router-predicted-cached-tokens"]) == cached[1]
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            assert [m.id for m in client.models.list().data] == [model]
+            system = {"role": "system", "content": "You are a careful assistant. " * 80}
+            replies = [
+                client.chat.completions.with_raw_response.create(
+                    model=model, messages=[system, {"role": "user", "content": q}], max_tokens=4
+                )
+                for q in ("What is a KV cache?", "And a prefix cache?")
+            ]
+            cached = [r.parse().usage.prompt_tokens_details.cached_tokens for r in replies]
+            assert cached[0] == 0 and cached[1] > 400
+            assert int(replies[1].headers["x-prefix-router-predicted-cached-tokens"]) == cached[1]
 
-        compare_routers(url, tiny_model, tmp_path / "bench")
+            compare_routers(url, tiny_model, tmp_path / "bench")
 
-        victim = stats.backends[0]
-        server = server_on(victim.url)
+            victim = stats.backends[0]
+            server = server_on(victim.url)
+            statuses, removed = asyncio.run(kill_mid_load(url, model, victim, server.pid))
+            # Every request retried elsewhere.
+            assert statuses.count(200) == len(statuses), (statuses, gateway_stats(url).retries)
+            assert gateway_stats(url).retries > 0
+            # Removed (its circuit open, or its actor not answering while it restarts the
+            # server), then restarted on the same port and re-admitted.
+            assert removed
 
-        async def chaos() -> tuple[list[int | str], bool]:
-            killed, removed = asyncio.Event(), False
+            def readmitted() -> bool:
+                return any(
+                    b.healthy and b.url == victim.url and b.routing_mode == "precise"
+                    for b in gateway_stats(url).backends
+                )
 
-            async def kill_later() -> None:
-                await asyncio.sleep(2.0)
-                os.kill(server.pid, signal.SIGKILL)  # as the kernel's OOM killer would
-                killed.set()
-
-            async def watch() -> None:  # until the load ends, or it is seen removed
-                nonlocal removed
-                await killed.wait()
-                async with httpx.AsyncClient(timeout=10) as stats_client:
-                    while not removed:
-                        try:  # a busy machine may answer slowly: not what is tested here
-                            stats = (await stats_client.get(f"{url}/stats")).json()
-                        except httpx.TimeoutException:
-                            continue
-                        removed = not any(
-                            b["healthy"] and b["replica_id"] == victim.replica_id
-                            for b in stats["backends"]
-                        )
-                        await asyncio.sleep(0.1)
-
-            watcher = asyncio.create_task(watch())
-            statuses, _ = await asyncio.gather(load(url, model, 8, 8), kill_later())
-            await asyncio.wait_for(watcher, 30)
-            return statuses, removed
-
-        statuses, removed = asyncio.run(chaos())
-        # Every request retried elsewhere.
-        assert statuses.count(200) == len(statuses), (statuses, gateway_stats(url).retries)
-        assert gateway_stats(url).retries > 0
-        # Removed (its circuit open, or its actor not answering while it restarts the
-        # server), then restarted on the same port and re-admitted.
-        assert removed
-
-        def readmitted() -> bool:
-            return any(
-                b.healthy and b.url == victim.url and b.routing_mode == "precise"
-                for b in gateway_stats(url).backends
-            )
-
-        back = wait_for(readmitted, 180, "the killed server restarted and re-admitted")
-        assert server_on(victim.url).pid != server.pid
-        body = {"model": model, "prompt": "back?", "max_tokens": 2}
-        answer = httpx.post(f"{victim.url}/v1/completions", json=body, timeout=60)
-        assert answer.status_code == 200, f"re-admitted after {back:.0f} s"
-    finally:
-        processes.stop(process, timeout_s=60)
-    assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
-    wait_for(lambda: {p.pid for p in vllm_processes()} <= before, 30, "every vLLM server stopped")
-    assert vllm_work_folders() <= folders  # their work folders removed
+            back = wait_for(readmitted, 180, "the killed server restarted and re-admitted")
+            assert server_on(victim.url).pid != server.pid
+            body = {"model": model, "prompt": "back?", "max_tokens": 2}
+            answer = httpx.post(f"{victim.url}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, f"re-admitted after {back:.0f} s"
+        assert process.returncode == 0, log.read_text()[-3000:]

@@ -43,14 +43,22 @@ def test_the_fit_recovers_the_terms_of_the_engine_that_made_the_samples():
 
 def test_noise_moves_the_residuals_and_no_term_goes_negative():
     rng = np.random.default_rng(0)
-    noisy = [replace(s, ttft_s=s.ttft_s * rng.uniform(0.9, 1.1)) if isinstance(s, PrefillSample)
-             else replace(s, itl_s=s.itl_s * rng.uniform(0.9, 1.1)) for s in sweep()]  # fmt: skip
+    noisy = [
+        replace(s, ttft_s=s.ttft_s * rng.uniform(0.9, 1.1))
+        if isinstance(s, PrefillSample)
+        else replace(s, itl_s=s.itl_s * rng.uniform(0.9, 1.1))
+        for s in sweep()
+    ]
     fitted = fit(noisy)
     assert 0.01 < fitted.median_residual < fitted.worst_residual < 0.15
     assert fitted.costs.token_s == pytest.approx(KNOWN.token_s, rel=0.15)
     # An engine with no per-sequence cost: the fit holds that term at 0, never below.
-    flat = [replace(s, itl_s=s.itl_s - s.seqs * KNOWN.seq_s) if isinstance(s, DecodeSample)
-            else replace(s, ttft_s=s.ttft_s - KNOWN.seq_s * 5) for s in sweep()]  # fmt: skip
+    flat = [
+        replace(s, itl_s=s.itl_s - s.seqs * KNOWN.seq_s)
+        if isinstance(s, DecodeSample)
+        else replace(s, ttft_s=s.ttft_s - KNOWN.seq_s * 5)
+        for s in sweep()
+    ]
     assert min(fit(flat).terms()) >= 0
 
 

@@ -273,8 +273,9 @@ def test_min_tokens_holds_eos_back_and_logit_bias_moves_the_toy_model(make_engin
     """vLLM's min_tokens and logit_bias, on a model whose logits are all equal."""
     ending = make_engine(eos_probability=1.0)  # every token would be EOS but for min_tokens
     eos = ending.tokenizer.eos_token_id
-    out = run(ending, [EngineRequest("now", prompt(40), 8),
-                       EngineRequest("later", prompt(40), 8, min_tokens=3)])  # fmt: skip
+    now = EngineRequest("now", prompt(40), 8)
+    later = EngineRequest("later", prompt(40), 8, min_tokens=3)
+    out = run(ending, [now, later])
     assert out["now"]["tokens"] == [eos]
     assert len(out["later"]["tokens"]) == 4 and out["later"]["tokens"][3] == eos
     assert eos not in out["later"]["tokens"][:3]

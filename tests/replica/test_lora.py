@@ -96,8 +96,9 @@ def test_a_replica_serves_adapters_as_vllm_does():
     ):
         listed = httpx.get(f"{url}/v1/models").json()["data"]
         assert [(m["id"], m["parent"]) for m in listed] == [
-            ("sim-llama3-8b", None), ("sql", "sim-llama3-8b"),
-        ]  # fmt: skip
+            ("sim-llama3-8b", None),
+            ("sql", "sim-llama3-8b"),
+        ]
         body = {"prompt": "SELECT " * 200, "max_tokens": 2, "model": "sql"}
         first = httpx.post(f"{url}/v1/completions", json=body).json()
         again = httpx.post(f"{url}/v1/completions", json=body).json()

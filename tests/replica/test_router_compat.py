@@ -21,11 +21,10 @@ def test_sglang_router_fronts_two_replicas_with_its_cache_aware_policy():
     replica = ["replica", "--speedup", "20"]
     with running(replica, replica) as replicas:
         port = free_port()
-        command = [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--worker-urls", *replicas, "--policy", "cache_aware",
-            "--log-level", "error",
-        ]  # fmt: skip
+        router = [sys.executable, "-m", "sglang_router.launch_router"]
+        address = ["--host", "127.0.0.1", "--port", str(port)]
+        command = [*router, *address, "--worker-urls", *replicas, "--policy", "cache_aware"]
+        command += ["--log-level", "error"]
         router = subprocess.Popen(
             command, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )

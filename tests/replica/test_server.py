@@ -183,8 +183,13 @@ def test_a_model_it_does_not_serve_is_a_404_as_vllm_answers(replica):
 
 def test_tool_choice_auto_or_none_is_answered_with_text_as_vllm_without_tool_flags(replica):
     for choice in ("auto", "none", None):
-        body = {"messages": [{"role": "user", "content": "rain?"}], "tools": [TOOL],
-                "tool_choice": choice, "max_tokens": 3, "ignore_eos": True}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "rain?"}],
+            "tools": [TOOL],
+            "tool_choice": choice,
+            "max_tokens": 3,
+            "ignore_eos": True,
+        }
         answer = post(replica, "/v1/chat/completions", body)
         assert answer.status_code == 200, answer.text
         message = answer.json()["choices"][0]["message"]

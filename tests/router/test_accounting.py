@@ -38,8 +38,13 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
     exact = RoutingRequest("4", 1000, [4], predicted_cached_tokens=256)
     over = RoutingRequest("5", 1000, [5], predicted_cached_tokens=512)
     failed = RoutingRequest("3", 400, [3], tenant="globex")
-    routed = ((close, a, ours), (far, a, ours), (exact, a, ours), (over, a, ours),
-              (failed, b, baseline))  # fmt: skip
+    routed = (
+        (close, a, ours),
+        (far, a, ours),
+        (exact, a, ours),
+        (over, a, ours),
+        (failed, b, baseline),
+    )
     for request, replica, pol in routed:
         accounting.dispatched(request, replica, pol)
     accounting.first_token(close, a, ours)
@@ -55,12 +60,19 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
     first, second = stats.backends
     assert first.by_policy == {
         "cache_aware": PolicyCounts(
-            requests=4, predictions=4, close_predictions=2, predicted_cached_tokens=1280,
-            actual_cached_tokens=1680, exact_predictions=1, block_predictions=2,
-            over_predictions=1, under_predictions=2, over_predicted_tokens=384,
+            requests=4,
+            predictions=4,
+            close_predictions=2,
+            predicted_cached_tokens=1280,
+            actual_cached_tokens=1680,
+            exact_predictions=1,
+            block_predictions=2,
+            over_predictions=1,
+            under_predictions=2,
+            over_predicted_tokens=384,
             under_predicted_tokens=784,
         )
-    }  # fmt: skip
+    }
     assert second.by_policy == {"round_robin": PolicyCounts(1, 0, 0, 0, 0)}
     assert (first.upstream_errors, second.upstream_errors) == (0, 1)
     assert all(b.outstanding_requests == b.outstanding_prefill_tokens == 0 for b in stats.backends)

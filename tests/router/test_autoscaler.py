@@ -11,9 +11,13 @@ from tests.router.test_policies import dispatch, fleet, policy, request
 from tests.shared import FakeClock, prompt
 
 CONFIG = AutoscaleConfig(
-    min_replicas=2, max_replicas=6, target_ongoing_requests=10,
-    target_queued_prefill_tokens=1_000, upscale_delay_s=5, downscale_delay_s=30,
-)  # fmt: skip
+    min_replicas=2,
+    max_replicas=6,
+    target_ongoing_requests=10,
+    target_queued_prefill_tokens=1_000,
+    upscale_delay_s=5,
+    downscale_delay_s=30,
+)
 
 
 def test_the_fleet_wants_what_either_signal_needs_within_the_bounds():

@@ -2,35 +2,17 @@
 that disagrees with the gateway is routed approximately, with the reason and the flag
 that fixes it, never blind. Real replicas and gateways, as subprocesses."""
 
-import contextlib
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy import processes
 from deploy.processes import running
 from replica.tiny_model import TinyModelConfig, write_tiny_model
-from tests.shared import replica_stats, wait_until_checked
+from tests.shared import logged_gateway, replica_stats, wait_until_checked
 
 pytestmark = pytest.mark.slow
 PROMPT = "You are a careful assistant. " * 60
-
-
-@contextlib.contextmanager
-def gateway(log: Path, *flags: str) -> Iterator[str]:
-    """A gateway whose log (its stderr) goes to ``log``."""
-    port = processes.free_port()
-    with open(log, "w") as output:
-        process = processes.start(["gateway", *flags], port, stderr=output)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            processes.wait_until(url, process)
-            yield url
-        finally:
-            processes.stop(process)
 
 
 def ask(url: str) -> httpx.Response:
@@ -43,7 +25,7 @@ def ask(url: str) -> httpx.Response:
 def test_a_backend_that_agrees_is_routed_precisely(tmp_path):
     with (
         running(["replica"]) as (replica,),
-        gateway(tmp_path / "log", f"--backend={replica}") as url,
+        logged_gateway(tmp_path / "log", f"--backend={replica}") as url,
     ):
         (backend,) = wait_until_checked(url).backends
         assert (backend.routing_mode, backend.approximate_reason) == ("precise", None)
@@ -62,7 +44,7 @@ def test_another_block_size_is_found_routed_approximately_and_named_with_its_fla
     log = tmp_path / "log"
     with (
         running(["replica"]) as (replica,),
-        gateway(log, f"--backend={replica}", "--block-size", "32") as url,
+        logged_gateway(log, f"--backend={replica}", "--block-size", "32") as url,
     ):
         (backend,) = wait_until_checked(url).backends
         assert backend.routing_mode == "approximate"
@@ -90,7 +72,7 @@ def test_another_tokenizer_is_found_by_the_engines_own_tokens(tmp_path, tiny_tok
     flags = (f"--tokenizer={tiny_tokenizer}",)
     with (
         running(["replica"]) as (replica,),
-        gateway(tmp_path / "log", f"--backend={replica}", *flags) as url,
+        logged_gateway(tmp_path / "log", f"--backend={replica}", *flags) as url,
     ):
         (backend,) = wait_until_checked(url).backends
         assert backend.routing_mode == "approximate"
@@ -104,7 +86,7 @@ def test_events_the_gateway_cannot_key_are_counted_when_nothing_checks_them(tmp_
     flags = ("--block-size", "32", "--no-check-backends")
     with (
         running(["replica"]) as (replica,),
-        gateway(tmp_path / "log", f"--backend={replica}", *flags) as url,
+        logged_gateway(tmp_path / "log", f"--backend={replica}", *flags) as url,
     ):
         ask(url)
         for _ in range(100):

@@ -2,6 +2,7 @@
 agrees; slow and vanishing clients neither stall others nor leak load counts."""
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def post(url: str, path: str, content: bytes | str, key: str | None = "k-user") 
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=30)
 
 
+WIZARD = {"role": "wizard", "content": "hi"}  # a role no chat template knows
 CASES = [  # (path, body, status, words the message must contain, param)
     ("/v1/completions", "{not json", 400, "invalid JSON", None),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt"),
@@ -44,14 +46,12 @@ CASES = [  # (path, body, status, words the message must contain, param)
     ("/v1/completions", {"prompt": [1, -5]}, 400, "token ids", "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "model": "gpt-9"}, 404, "gpt-9", "model"),
     ("/v1/completions", {"prompt": "x" * 10_000}, 413, "2000", "prompt"),
-    ("/v1/completions", {"prompt": [PROMPT, "x" * 10_000]}, 413, "prompt 1 of the batch",
-     "prompt"),
+    ("/v1/completions", {"prompt": [PROMPT, "x" * 10_000]}, 413, "prompt 1 of the batch", "prompt"),
     ("/v1/completions", {"prompt": "x" * 300_000}, 413, "200000 bytes", None),
     ("/v1/chat/completions", {"messages": []}, 400, "at least 1", "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
-     "role", "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [WIZARD]}, 400, "role", "messages.0.role"),
     ("/v1/chat/completions", [1, 2], 400, "", None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "words", "param"), CASES)
@@ -68,12 +68,13 @@ def test_malformed_requests_get_a_4xx_that_names_the_problem(
 def test_a_fuzzer_finds_no_server_error(gateway, tmp_path):
     """schemathesis against the gateway's own OpenAPI schema: 500+ generated cases."""
     report = tmp_path / "report.json"
-    command = [
-        sys.executable, "-m", "schemathesis.cli", "run", f"{gateway}/openapi.json",
-        "--checks", "not_a_server_error", "--max-examples", "60", "--seed", "0",
-        "--header", "Authorization: Bearer k-user", "--request-timeout", "30",
-        "--workers", "1", "--report", "json", "--report-json-path", str(report), "--no-color",
-    ]  # fmt: skip
+    fuzz = shlex.split(
+        "--checks not_a_server_error --max-examples 60 --seed 0 --request-timeout 30"
+    )
+    user = ["--header", "Authorization: Bearer k-user"]
+    out = ["--workers", "1", "--report", "json", "--report-json-path", str(report), "--no-color"]
+    schemathesis = [sys.executable, "-m", "schemathesis.cli", "run"]
+    command = [*schemathesis, f"{gateway}/openapi.json", *fuzz, *user, *out]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     figures = json.loads(report.read_text())
     assert done.returncode == 0, done.stdout[-3000:]

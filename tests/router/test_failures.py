@@ -36,13 +36,13 @@ def backend(url: str, replica: str) -> dict:
 def test_a_dead_replica_is_skipped_at_once_and_taken_back_when_healthy():
     port = processes.free_port()
     victim = f"http://127.0.0.1:{port}"
+    # Probes rare enough that requests, not probes, find the dead replica first.
+    settings = ["--kv-events-interval-s", "60", "--policy", "round_robin"]
     with (
         running(["replica", "--speedup", "1"]) as (survivor,),
         replica_on(port) as process,
-        # Probes rare enough that requests, not probes, find the dead replica first.
-        running(["gateway", f"--backend={survivor}", f"--backend={victim}",
-                 "--kv-events-interval-s", "60", "--policy", "round_robin"]) as (url,),
-    ):  # fmt: skip
+        running(["gateway", f"--backend={survivor}", f"--backend={victim}", *settings]) as (url,),
+    ):
         assert backend(url, victim)["healthy"]
         os.kill(process.pid, signal.SIGKILL)
         # Every request succeeds: the ones routed to the dead replica are retried.
@@ -71,8 +71,11 @@ def test_a_gateway_whose_every_circuit_is_open_says_it_is_unhealthy():
         os.kill(process.pid, signal.SIGKILL)
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 20)
         down = httpx.get(f"{url}/health").json()
-        assert down == {"status": "every backend's circuit is open (1 down)", "backends": 1,
-                        "routable": 0}  # fmt: skip
+        assert down == {
+            "status": "every backend's circuit is open (1 down)",
+            "backends": 1,
+            "routable": 0,
+        }
         with replica_on(port):
             wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 20)
 

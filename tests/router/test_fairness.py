@@ -194,8 +194,8 @@ def test_through_the_gateway_a_steady_tenant_passes_a_flood_and_batch_waits(tmp_
         f"{FLOOD} flood\n{STEADY} steady\n{BATCH} nightly class=batch\n{ADMIN} ops admin\n"
     )
     with running(["replica", "--speedup", "1"]) as (replica,):
-        gateway = ["gateway", f"--backend={replica}", "--api-keys-file", str(keys),
-                   "--max-outstanding-per-replica", "1"]  # fmt: skip
+        one_at_a_time = ["--max-outstanding-per-replica", "1"]
+        gateway = ["gateway", f"--backend={replica}", "--api-keys-file", str(keys), *one_at_a_time]
         with running(gateway) as (url,):
             order = asyncio.run(finishing_order(url))
             headers = {"authorization": f"Bearer {STEADY}", "x-priority": "now"}

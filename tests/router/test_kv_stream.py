@@ -87,8 +87,11 @@ def test_every_vllm_encoding_decodes(batch_as_array, events_as_arrays):
 
 def test_our_encoder_writes_what_vllms_newest_classes_read():
     tokens = np.arange(1, 33, dtype="<u4").tobytes()
-    ours = [KVEvent(1, "stored", (5, 6), None, (0, 1), "GPU", tokens, "acme"),
-            KVEvent(2, "removed", (6,), medium="CPU"), KVEvent(3, "cleared")]  # fmt: skip
+    ours = [
+        KVEvent(1, "stored", (5, 6), None, (0, 1), "GPU", tokens, "acme"),
+        KVEvent(2, "removed", (6,), medium="CPU"),
+        KVEvent(3, "cleared"),
+    ]
     vllm = vllm_classes(False, False)
     decoder = msgspec.msgpack.Decoder(vllm["EventBatch"])
     batch = decoder.decode(encode_batch(ours, 99.0, 16))

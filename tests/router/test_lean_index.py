@@ -108,8 +108,9 @@ def test_an_index_on_the_python_twins_predicts_as_one_on_the_packed_tables(monke
 
     rng = np.random.default_rng(3)
     engines = [Engine(EngineConfig(num_blocks=96, block_size=16, host_blocks=64)) for _ in "ab"]
-    prompts = [prompt(int(rng.integers(100, 900)), 1000 * int(rng.integers(0, 6)))
-               for _ in range(40)]  # fmt: skip
+    prompts = [
+        prompt(int(rng.integers(100, 900)), 1000 * int(rng.integers(0, 6))) for _ in range(40)
+    ]
     for i, tokens in enumerate(prompts):  # evictions to the host and beyond
         engine = engines[i % 2]
         engine.add_request(EngineRequest(f"r{i}", tokens, 1, cache_salt=f"t{i % 3}"))

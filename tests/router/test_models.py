@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 
 import httpx
@@ -29,18 +30,16 @@ def post(url: str, model: str | None, text: str) -> httpx.Response:
 
 @pytest.mark.slow
 def test_each_request_goes_to_a_replica_of_its_model_or_adapter():
-    llama = ["replica", "--speedup", "20", "--model", "llama", "--lora-modules", "sql",
-             "--max-loras", "2"]  # fmt: skip
+    llama = shlex.split("replica --speedup 20 --model llama --lora-modules sql --max-loras 2")
     qwen = ["replica", "--speedup", "20", "--model", "qwen"]
     with running(llama, llama, qwen) as replicas:
         served = {"llama": set(replicas[:2]), "sql": set(replicas[:2]), "qwen": {replicas[2]}}
-        gateway = ["gateway", *[f"--backend={url}" for url in replicas], "--model", "llama",
-                   "--describe-interval-s", "0.5"]  # fmt: skip
+        backends = [f"--backend={url}" for url in replicas]
+        gateway = ["gateway", *backends, "--model", "llama", "--describe-interval-s", "0.5"]
         with running(gateway) as (url,):
             listed = httpx.get(f"{url}/v1/models").json()["data"]
-            assert [(m["id"], m["parent"]) for m in listed] == [
-                ("llama", None), ("qwen", None), ("sql", "llama"),
-            ]  # fmt: skip
+            models = [(m["id"], m["parent"]) for m in listed]
+            assert models == [("llama", None), ("qwen", None), ("sql", "llama")]
             urls = {b.replica_id: b.url for b in gateway_stats(url).backends}
             for turn in range(6):
                 for model in ("llama", "qwen", "sql", None):
@@ -53,16 +52,16 @@ def test_each_request_goes_to_a_replica_of_its_model_or_adapter():
             assert unknown.status_code == 404
             assert "'mistral' does not exist (served: llama, qwen, sql)" in unknown.text
             stats = gateway_stats(url)
-            assert {name: s.requests for name, s in stats.models.items()} == {
-                "llama": 12, "qwen": 6, "sql": 6,
-            }  # fmt: skip
+            requests = {name: s.requests for name, s in stats.models.items()}
+            assert requests == {"llama": 12, "qwen": 6, "sql": 6}
             assert stats.models["sql"].token_hit_rate > 0.5  # its own prefix, cached
             metrics = httpx.get(f"{url}/metrics").text
             assert 'prefix_router_model_requests_total{model="qwen"} 6.0' in metrics
 
             # an adapter loaded at run time is routed to once the gateway learns of it
-            assert httpx.post(f"{replicas[2]}/v1/load_lora_adapter",
-                              json={"lora_name": "chat-qwen"}).status_code == 200  # fmt: skip
+            adapter = {"lora_name": "chat-qwen"}
+            loaded = httpx.post(f"{replicas[2]}/v1/load_lora_adapter", json=adapter)
+            assert loaded.status_code == 200
             deadline = time.monotonic() + 20
             while post(url, "chat-qwen", "hi").status_code == 404:
                 assert time.monotonic() < deadline, "the gateway never learned the adapter"

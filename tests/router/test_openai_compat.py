@@ -61,10 +61,10 @@ def sse(response: httpx.Response) -> list[dict]:
 def test_content_parts_are_joined_as_vllm_joins_them(fleet):
     url, _ = fleet
     parts = [{"type": "text", "text": SYSTEM}, {"type": "text", "text": "Be brief."}]
-    first = chat(url, messages=[{"role": "system", "content": parts},
-                                {"role": "user", "content": "one"}])  # fmt: skip
-    joined = chat(url, messages=[{"role": "system", "content": f"{SYSTEM}\nBe brief."},
-                                 {"role": "user", "content": "two"}])  # fmt: skip
+    as_parts = {"role": "system", "content": parts}
+    as_text = {"role": "system", "content": f"{SYSTEM}\nBe brief."}
+    first = chat(url, messages=[as_parts, {"role": "user", "content": "one"}])
+    joined = chat(url, messages=[as_text, {"role": "user", "content": "two"}])
     assert first.choices[0].message.content
     shared = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}])
     # The parts render exactly as the joined text: the second request hits their blocks.
@@ -73,8 +73,11 @@ def test_content_parts_are_joined_as_vllm_joins_them(fleet):
 
 def test_a_tool_conversation_with_null_content_and_tool_results(fleet):
     url, replicas = fleet
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+    }
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -127,8 +130,9 @@ def test_batched_prompts_answer_one_choice_per_prompt(fleet):
 
 def test_logprobs_are_well_formed(fleet):
     url, _ = fleet
-    answer = chat(url, messages=[{"role": "user", "content": "logprobs"}], logprobs=True,
-                  top_logprobs=3)  # fmt: skip
+    answer = chat(
+        url, messages=[{"role": "user", "content": "logprobs"}], logprobs=True, top_logprobs=3
+    )
     content = answer.choices[0].logprobs.content
     assert len(content) == 6
     for entry in content:
@@ -158,8 +162,12 @@ def test_a_stop_string_ends_the_choice_before_it(fleet):
 
 def test_streaming_with_usage_and_several_choices(fleet):
     url, _ = fleet
-    body = {"messages": [{"role": "user", "content": "stream two"}], "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "stream two"}],
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = [ChatCompletionChunk.model_validate(c) for c in sse(post(url, CHAT, body))]
     roles = [c.choices[0].index for c in chunks[:2]]
     assert roles == [0, 1] and all(c.choices[0].delta.role == "assistant" for c in chunks[:2])
@@ -171,6 +179,9 @@ def test_streaming_with_usage_and_several_choices(fleet):
 
 
 # ----------------------------------------------------------------- refused as vLLM refuses
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
 
 
 @pytest.mark.parametrize(
@@ -185,10 +196,9 @@ def test_streaming_with_usage_and_several_choices(fleet):
         ({"temperature": 0, "n": 2}, "n must be 1 when using greedy sampling"),
         ({"stop": [""]}, "stop cannot contain an empty string"),
         ({"top_logprobs": 2}, "`logprobs` must be set to true"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url",
-          "image_url": {"url": "http://x/cat.png"}}]}]}, "content part 'image_url'"),
+        ({"messages": [{"role": "user", "content": [IMAGE]}]}, "content part 'image_url'"),
     ],
-)  # fmt: skip
+)
 def test_out_of_range_and_unsupported_requests_get_vllms_400(fleet, body, needle):
     url, _ = fleet
     response = post(url, CHAT, {"messages": [{"role": "user", "content": "x"}], **body})

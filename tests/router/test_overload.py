@@ -43,10 +43,9 @@ def gateway_figure(url: str, name: str) -> float:
 def test_three_times_the_capacity_gets_429s_not_an_unbounded_queue():
     # One replica in real time: a request takes about 0.4 s; 4 at a time, 8 waiting.
     with running(["replica", "--speedup", "1"]) as (replica,):
-        gateway = [
-            "gateway", f"--backend={replica}", "--max-outstanding-per-replica", "4",
-            "--max-queued", "8", "--queue-timeout-s", str(QUEUE_TIMEOUT_S),
-        ]  # fmt: skip
+        limits = ["--max-outstanding-per-replica", "4", "--max-queued", "8"]
+        timeout = ["--queue-timeout-s", str(QUEUE_TIMEOUT_S)]
+        gateway = ["gateway", f"--backend={replica}", *limits, *timeout]
         with running(gateway) as (url,):
             calm = asyncio.run(offer(url, rate=4, seconds=3))  # within capacity: all served
             memory_before = gateway_figure(url, "process_resident_memory_bytes")

@@ -116,9 +116,9 @@ def test_through_the_gateway_a_light_tenants_turn_stays_on_its_full_replica(tmp_
     keys.write_text("flood-key flood\nlight-key light\n")
     replica = ["replica", "--speedup", "0.2"]
     with running(replica, replica) as replicas:
-        gateway = ["gateway", *[f"--backend={u}" for u in replicas], "--api-keys-file",
-                   str(keys), "--max-outstanding-per-replica", "2",
-                   "--fair-reserve-per-replica", "1"]  # fmt: skip
+        backends = [f"--backend={u}" for u in replicas]
+        limits = ["--max-outstanding-per-replica", "2", "--fair-reserve-per-replica", "1"]
+        gateway = ["gateway", *backends, "--api-keys-file", str(keys), *limits]
         with running(gateway) as (url,):
             home, held, second = asyncio.run(light_turns(url))
     assert held[home] == 2 and sum(held.values()) == 3, held  # home full, the other not

@@ -4,12 +4,12 @@ evicted prefix no longer predicted, a late gateway learning vLLM's cache from it
 replay socket, a LoRA adapter's blocks, which vLLM salts with its name, and, last, a
 crash of the servers that leaves nothing of them behind."""
 
-import contextlib
 import os
 import re
+import shlex
 import signal
 import socket
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
@@ -17,13 +17,13 @@ import numpy as np
 import psutil
 import pytest
 
-from deploy import processes
 from replica.api.cost_model import get_profile
 from replica.api.tokenizer import WORDS
 from replica.tiny_model import write_tiny_lora
 from replica.vllm_server import remove_orphaned_folders
 from tests.shared import (
     VLLM_ARGS,
+    logged_gateway,
     prefix_router,
     vllm_backend,
     vllm_servers,
@@ -57,19 +57,9 @@ def fresh(servers):
     return servers
 
 
-@contextlib.contextmanager
-def gateway(log: Path, backends: list[str], *flags: str) -> Iterator[str]:
-    """A gateway in front of ``backends`` (its log, stderr, to ``log``)."""
-    port = processes.free_port()
-    command = ["gateway", *(f"--backend={b}" for b in backends), *flags]
-    with open(log, "w") as output:
-        process = processes.start(command, port, stderr=output)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            processes.wait_until(url, process)
-            yield url
-        finally:
-            processes.stop(process)
+def gateway(log: Path, backends: list[str], *flags: str) -> AbstractContextManager[str]:
+    """A gateway in front of ``backends`` (its log to ``log``)."""
+    return logged_gateway(log, *(f"--backend={b}" for b in backends), *flags)
 
 
 def matching(model: Path, *more: str) -> tuple[str, ...]:
@@ -127,9 +117,8 @@ def test_an_adapters_blocks_are_keyed_by_its_name_and_predicted_exactly(
     with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
         wait_until_checked(url, 2)
         listed = httpx.get(f"{url}/v1/models").json()["data"]
-        assert [(m["id"], m["parent"]) for m in listed] == [
-            (str(tiny_model), None), ("sql", str(tiny_model)),
-        ]  # fmt: skip
+        models = [(m["id"], m["parent"]) for m in listed]
+        assert models == [(str(tiny_model), None), ("sql", str(tiny_model))]
         first = complete(url, "sql", text(6))
         again = complete(url, "sql", text(6) + "bal")
         base = complete(url, tiny_model, text(6) + "kes")  # the same text, no adapter
@@ -168,9 +157,8 @@ def test_a_gateway_with_another_tokenizer_is_told_the_models(fresh, tiny_model, 
 
 def test_swapped_event_endpoints_are_found_by_the_canary(fresh, tiny_model, tmp_path):
     """Each server named with the other's KV events: its canary's blocks never come."""
-    a, b = fresh
-    swapped = [vllm_backend(a).split(",")[0] + "," + vllm_backend(b).split(",", 1)[1],
-               vllm_backend(b).split(",")[0] + "," + vllm_backend(a).split(",", 1)[1]]  # fmt: skip
+    (a_url, a_events), (b_url, b_events) = [vllm_backend(s).split(",", 1) for s in fresh]
+    swapped = [f"{a_url},{b_events}", f"{b_url},{a_events}"]
     with gateway(tmp_path / "log", swapped, *matching(tiny_model)) as url:
         stats = wait_until_checked(url, 2, timeout_s=60)
         assert [s.routing_mode for s in stats.backends] == ["approximate"] * 2
@@ -205,14 +193,14 @@ def test_a_gateway_that_joins_late_learns_vllms_cache_from_its_replay_socket(
 ):
     held = fresh[0]
     complete(held.url, tiny_model, text(5))  # before any gateway exists
-    with gateway(tmp_path / "log", [vllm_backend(s) for s in fresh],
-                 *matching(tiny_model, "--stride", "1")) as url:  # fmt: skip
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
         wait_until_checked(url, 2)
         answer = complete(url, tiny_model, text(5) + "bal")
         assert answer.headers["x-prefix-router-replica"] == held.url
         assert predicted(answer) == cached(answer) >= 1472
-        stream = next(b["kv_stream"] for b in httpx.get(f"{url}/stats").json()["backends"]
-                      if b["url"] == held.url)  # fmt: skip
+        backends = httpx.get(f"{url}/stats").json()["backends"]
+        stream = next(b["kv_stream"] for b in backends if b["url"] == held.url)
         assert stream["replayed"] > 0
 
 
@@ -220,11 +208,13 @@ def test_calibrate_fits_a_vllm_server_and_reads_its_kv_pool(fresh, tmp_path):
     """`prefix-router calibrate` against vLLM: a short sweep fits its times, and the
     profile holds vLLM's own pool (256 blocks of 32 tokens in 16 MB: 2 KB a token)."""
     out = tmp_path / "calibrated"
+    sweep = shlex.split(
+        "--prompt-lengths 256,1024,2048 --cached-fractions 0,0.5 --batch-sizes 1,2,4"
+        " --decode-contexts 128,512 --decode-tokens 16 --repeats 2"
+    )
     done = prefix_router(
-        "calibrate", "--backend", fresh[0].url, "--prompt-lengths", "256,1024,2048",
-        "--cached-fractions", "0,0.5", "--batch-sizes", "1,2,4", "--decode-contexts", "128,512",
-        "--decode-tokens", "16", "--repeats", "2", "--no-progress", "--out", str(out),
-    )  # fmt: skip
+        "calibrate", "--backend", fresh[0].url, *sweep, "--no-progress", "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     profile = get_profile(str(out / "profile.json"))
     assert (profile.kv_tokens, profile.kv_bytes_per_token) == (8192, 2048)

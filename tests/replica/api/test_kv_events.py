@@ -47,8 +47,9 @@ def test_an_engines_own_events_round_trip_in_order():
 
 
 def test_fields_our_events_add_are_optional_for_other_engines():
-    page = decode_page(b'{"events": [{"seq": 3, "kind": "removed", "block_hashes": [7]}], '
-                       b'"last_seq": 3}')  # fmt: skip
+    page = decode_page(
+        b'{"events": [{"seq": 3, "kind": "removed", "block_hashes": [7]}], "last_seq": 3}'
+    )
     assert page == KVEventPage((KVEvent(3, "removed", (7,)),), 3, lost=False, block_size=None)
 
 

@@ -36,8 +36,9 @@ def test_every_turn_gets_the_ids_of_the_whole_text_and_encodes_only_its_new_piec
     for turn in range(2, len(messages) + 1):
         before = cache.stats()
         ids = tiny.apply_chat_template(messages[:turn])
-        text = tiny.render(messages=messages[:turn], add_generation_prompt=True,
-                           **tiny.special_tokens)  # fmt: skip
+        text = tiny.render(
+            messages=messages[:turn], add_generation_prompt=True, **tiny.special_tokens
+        )
         assert ids.tolist() == tiny.tokenizer.encode(text, add_special_tokens=False).ids
         after = cache.stats()
         if turn > 2:  # the system prompt and every earlier message were found, not encoded

@@ -37,8 +37,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
     keys.write_text(f"{ADMIN} ops admin\n{TENANT} acme\n")
     replica = ["replica", "--speedup", "20", "--num-blocks", "256", "--host-blocks", "1024"]
     with running([*replica, "--lora-modules", ADAPTER], replica) as replicas:
-        gateway = ["gateway", *[f"--backend={url}" for url in replicas],
-                   "--api-keys-file", str(keys)]  # fmt: skip
+        backends = [f"--backend={url}" for url in replicas]
+        gateway = ["gateway", *backends, "--api-keys-file", str(keys)]
         with running(gateway) as (url,):
             settled(url, replicas)
             yield url, replicas
@@ -103,9 +103,12 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     refreshed_after(browser, 0.0)
     # A refresh with every replica's own figures, before any traffic: the start of
     # the last-minute window (a fetch can time out while the machine is busy).
-    WebDriverWait(browser, 30).until(lambda d: all(
-        cell(d, f'#replicas tr[data-replica="{b.replica_id}"]', "gpu_cached_blocks")[1]
-        for b in gateway_stats(url).backends))  # fmt: skip
+    WebDriverWait(browser, 30).until(
+        lambda d: all(
+            cell(d, f'#replicas tr[data-replica="{b.replica_id}"]', "gpu_cached_blocks")[1]
+            for b in gateway_stats(url).backends
+        )
+    )
 
     drive_traffic(url)
     wait_until_indexed(url)  # every block counted in the tenant's footprint
