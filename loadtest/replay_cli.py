@@ -255,48 +255,19 @@ def _workload_options(args: argparse.Namespace, replicas: int) -> WorkloadOption
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    policies = _policies(args)
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     sweep_key, configs = _configs(args)
     _build_workloads(args, [config.replicas for config in configs])
     jobs = [job for config in configs for job in _jobs(config, policies, sweep_key, args)]
-    done = _run_all(jobs, args)
+    done = list(zip(jobs, _run_all(jobs, args), strict=True))
     rows: list[Row] = []
     ttfts: dict[str, list[float]] = {}
     for config in configs:
-        fleet = [(job, out) for job, out in zip(jobs, done, strict=True) if job.fleet is config]
-        for job, (row, values, _) in fleet:
-            if not job.reference:
-                if sweep_key:  # ``routers`` is no field of a replay's row: named here
-                    row[sweep_key] = getattr(config, sweep_key)
-                rows.append(row)
-                ttfts[job.label] = values
-        references = [] if args.no_reference else _reference_rows(config, fleet, sweep_key)
-        rows += references
-        _relate_to_bound(rows[-len(policies) - len(references) :])
-    print(format_table(rows, TABLE_KEYS))
-    if any(row.get("models") for row in rows):
-        print("\nper model (or adapter) named:")
-        print(format_table(model_rows(rows), MODEL_KEYS))
-    for row in rows:
-        if row.get("hot_sets"):
-            print(f"\n{row['label']}: hot prefixes on several replicas (set size from time on):")
-            for prefix, figures in sorted(
-                row["hot_sets"].items(), key=lambda item: -item[1]["largest"]
-            )[:5]:
-                steps = ", ".join(f"{n} from {t:.0f} s" for t, n in figures["sizes"])
-                print(f"  {prefix}: {steps}")
-    if any(row.get("fleet_sizes") for row in rows):
-        print("\nthe fleet's size (replicas held: serving, starting or stopping):")
-        print(format_table(rows, FLEET_KEYS))
-    if any(row.get("tenants") for row in rows):
-        print("\nper tenant (jain_fairness: Jain's index of their service over fair shares):")
-        print(format_table(rows, ("label", "jain_fairness", "token_hit_rate", "ttft_p99_s")))
-        print(format_table(tenant_rows(rows), TENANT_KEYS))
+        fleet = [(job, out) for job, out in done if job.fleet is config]
+        rows += _fleet_rows(config, fleet, sweep_key, ttfts, args.no_reference)
+    _print_tables(rows)
     meta = {"seed": configs[0].seed, "command": command_line(), "version": version()}
     if args.json:
         write_json(args.json, rows, meta)
@@ -304,6 +275,62 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.out:
         _write_report(Path(args.out), rows, ttfts, sweep_key, meta)
     return 0
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    return policies
+
+
+def _fleet_rows(
+    config: ReplayConfig,
+    fleet: list[tuple[_Job, _Done]],
+    sweep_key: str | None,
+    ttfts: dict[str, list[float]],
+    no_reference: bool,
+) -> list[Row]:
+    """One fleet's rows: a policy's each (its TTFTs into ``ttfts``), then the
+    references, each hit rate related to the infinite-cache bound."""
+    rows = []
+    for job, (row, values, _) in fleet:
+        if not job.reference:
+            if sweep_key:  # ``routers`` is no field of a replay's row: named here
+                row[sweep_key] = getattr(config, sweep_key)
+            rows.append(row)
+            ttfts[job.label] = values
+    rows += [] if no_reference else _reference_rows(config, fleet, sweep_key)
+    _relate_to_bound(rows)
+    return rows
+
+
+def _print_tables(rows: list[Row]) -> None:
+    """The table of rows, then those of what some rows hold: models, hot prefixes, the
+    fleet's size, tenants."""
+    print(format_table(rows, TABLE_KEYS))
+    if any(row.get("models") for row in rows):
+        print("\nper model (or adapter) named:")
+        print(format_table(model_rows(rows), MODEL_KEYS))
+    for row in rows:
+        if row.get("hot_sets"):
+            _print_hot_sets(row)
+    if any(row.get("fleet_sizes") for row in rows):
+        print("\nthe fleet's size (replicas held: serving, starting or stopping):")
+        print(format_table(rows, FLEET_KEYS))
+    if any(row.get("tenants") for row in rows):
+        print("\nper tenant (jain_fairness: Jain's index of their service over fair shares):")
+        print(format_table(rows, ("label", "jain_fairness", "token_hit_rate", "ttft_p99_s")))
+        print(format_table(tenant_rows(rows), TENANT_KEYS))
+
+
+def _print_hot_sets(row: Row) -> None:
+    print(f"\n{row['label']}: hot prefixes on several replicas (set size from time on):")
+    largest_first = sorted(row["hot_sets"].items(), key=lambda item: -item[1]["largest"])
+    for prefix, figures in largest_first[:5]:
+        steps = ", ".join(f"{n} from {t:.0f} s" for t, n in figures["sizes"])
+        print(f"  {prefix}: {steps}")
 
 
 #: Workloads by fleet size, built by the parent before the workers fork.

@@ -1,55 +1,28 @@
-"""The routers' view of the simulated fleet, and a request routed through one.
+"""The routers in front of the simulated engines, and a request as it reaches one.
 
 With ``routers`` G > 1 the requests are spread at random over G routers, each with its
-own policies, index and load view, as G gateways are: each hears the engines' KV events
-and their load reports (one after every engine step, as a replica publishes its load
-on change) ``event_delay_s`` after they happen, and counts its own dispatches since the
-last report (``router.fleet.load.reported``). One router counts its own load, and is
-told each engine's free blocks at once.
-
-A request's way through its router is a gateway's: the policy of the model it names
-chooses among the replicas that serve it (within its tenant's cache budget, and, with
-``max_outstanding``, among those with a slot free for it: router/fair/slots.py); load is
-counted at dispatch and released at the end.
+own policies, index and load view, as G gateways are (a request's way through one:
+routing.py; what they hear from the engines: reports.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 
 from loadtest.replay.config import ReplayConfig
-from loadtest.replay.events import Delivery, EventQueue
+from loadtest.replay.events import EventQueue
 from loadtest.replay.request import TurnRequest
+from loadtest.replay.routing import Router
 from loadtest.workloads import Session
 from replica.api.identity import affinity_key, identity_seed, prefix_keys
-from replica.api.kv_events import KVEvent
-from replica.api.stats import LoadReport
-from replica.engine import Engine, RequestOutput
+from replica.engine import Engine
 from router.core import ReplicaState, RoutingRequest
-from router.fair.cache_budget import within_budget
-from router.fair.fairness import FairQueue, FairShare
-from router.fair.slots import with_free_slot
-from router.fleet import load
 from router.fleet.models import ModelRoutes, ServedName
-from router.policies import Policy, make_policy
-
-
-@dataclass
-class Router:
-    """One router, as one gateway: its policies (one per model), its view of every
-    replica (by the engine's index), and its fair share and queue of waiting requests."""
-
-    routes: ModelRoutes
-    states: list[ReplicaState]
-    fair_share: FairShare
-    queue: FairQueue[TurnRequest]
-
-    def policy(self, request: TurnRequest) -> Policy:
-        return self.routes.policy(request.routing.model)
+from router.policies import make_policy
 
 
 class Routers:
@@ -61,17 +34,13 @@ class Routers:
         policy: str,
         engines: list[Engine],
         events: EventQueue,
-        adapters: bool = False,
     ) -> None:
-        """``adapters``: whether the routers are told which adapters each engine holds
-        in its slots (a workload that asks for some)."""
         self._config = config
         self._events = events
         self.routers = [self._router(policy, g, engines) for g in range(config.routers)]
         for router in self.routers:
             for state, engine in zip(router.states, engines, strict=True):
                 state.free_blocks = engine.free_blocks
-        self._adapters = adapters
         self._pick_router = np.random.default_rng([config.seed, 1])
         self._seeds = lru_cache(maxsize=None)(identity_seed)  # (name, salt): a bounded set
         self._budgets = config.tenant_budgets
@@ -101,10 +70,7 @@ class Routers:
         ]
         for state in states:
             routes.added(state)
-        fair_share = FairShare(config.fairness, config.fair_half_life_s, clock=clock)
-        return Router(routes, states, fair_share, FairQueue(fair_share))
-
-    # ---------------------------------------------------------------- requests
+        return Router(routes, states, config, clock)
 
     def request(
         self, session: Session, session_index: int, turn: int, prompt: np.ndarray
@@ -132,118 +98,9 @@ class Routers:
         )
         return TurnRequest(session_index, turn, routing, prompt, self._events.now, router)
 
-    def serving(self, request: TurnRequest, routable: list[int] | None) -> list[ReplicaState]:
-        """The replicas that serve ``request``'s model: of a scaling fleet, those
-        ``routable``; of a fleet of several models, those of its model (and adapter)."""
-        router = self.routers[request.router]
-        if routable is not None:
-            return [router.states[i] for i in routable]
-        if not self._config.fleet:
-            return router.states
-        routing = request.routing
-        served = ServedName(routing.model or router.routes.default_model, routing.adapter)
-        return router.routes.serving(served, router.states)
-
-    def wait(self, request: TurnRequest) -> None:
-        """Queue ``request`` at its router, until a replica has a slot free for it."""
-        routing = request.routing
-        self.routers[request.router].queue.push(request, routing.tenant, routing.priority)
-
-    def admitted(
-        self, router_index: int, routable: list[int] | None
-    ) -> Iterator[tuple[TurnRequest, list[ReplicaState]]]:
-        """From the router's queue, the next in line while a replica that serves it has
-        a slot free (as slots free at a gateway), with those replicas."""
-        queue = self.routers[router_index].queue
-        can_serve = lambda request: bool(self._free(request, routable))  # noqa: E731
-        while (request := queue.pop(can_serve)) is not None:
-            yield request, self._free(request, routable)
-
-    def _free(self, request: TurnRequest, routable: list[int] | None) -> list[ReplicaState]:
-        """The replicas that serve ``request`` with a slot free for it."""
-        config, router = self._config, self.routers[request.router]
-        policy = router.policy(request)
-        return with_free_slot(
-            request.routing,
-            self.serving(request, routable),
-            router.fair_share,
-            config.max_outstanding,
-            config.fair_reserve_per_replica,
-            lambda: policy.holders(request.routing),
-        )
-
-    def choose(self, request: TurnRequest, candidates: list[ReplicaState], salt: str | None) -> int:
-        """The engine the policy sends ``request`` to, among ``candidates`` (those
-        within its tenant's cache budget, if any is)."""
-        router = self.routers[request.router]
-        policy = router.policy(request)
-        allowed = within_budget(policy, request.routing, candidates, (salt,))
-        return router.states.index(policy.choose(request.routing, allowed))
-
-    # ------------------------------------------------------------------- load
-
-    def dispatched(self, request: TurnRequest, index: int) -> None:
-        router = self.routers[request.router]
-        replica = router.states[index]
-        load.dispatched(router.policy(request), request.routing, replica, now=self._events.now)
-        router.fair_share.dispatched(request.routing)
-
-    def prefilled(self, request: TurnRequest, index: int) -> None:
-        load.prefilled(request.routing, self.routers[request.router].states[index])
-
-    def completed(self, request: TurnRequest, index: int, output: RequestOutput) -> None:
-        router = self.routers[request.router]
-        cached = output.num_cached_tokens
-        load.completed(router.policy(request), request.routing, router.states[index], cached)
-        router.fair_share.ended(request.routing, cached, output.num_output_tokens)
-
     def waiting(self) -> list[TurnRequest]:
         """The requests waiting in every router's queue."""
         return [request for router in self.routers for request in router.queue]
-
-    # ------------------------------------------------- what the engines publish
-
-    def publish(self, index: int, engine: Engine, events: list[KVEvent]) -> None:
-        """Engine ``index``'s new KV events and, after its step, its load."""
-        if events:
-            self._send(index, events)
-        if len(self.routers) > 1:  # a replica publishes its load on change
-            self._send(index, self._load_report(engine))
-            return
-        state = self.routers[0].states[index]  # told at once
-        state.free_blocks = engine.free_blocks
-        if self._adapters:
-            state.loaded_adapters = engine.adapters.resident
-            state.free_adapter_slots = engine.adapters.free_slots
-
-    def _load_report(self, engine: Engine) -> LoadReport:
-        adapters = self._adapters
-        return LoadReport(
-            engine.num_running,
-            engine.num_waiting,
-            engine.queued_prefill_tokens,
-            ts=self._events.now,
-            free_blocks=engine.free_blocks,
-            adapters=engine.adapters.resident if adapters else None,
-            free_adapter_slots=engine.adapters.free_slots if adapters else None,
-        )
-
-    def _send(self, index: int, payload: list[KVEvent] | LoadReport) -> None:
-        """To every router, after the delay."""
-        delay = self._config.event_delay_s
-        if not delay:
-            self.deliver(index, payload)
-        else:
-            self._events.schedule(self._events.now + delay, Delivery(index, payload))
-
-    def deliver(self, index: int, payload: list[KVEvent] | LoadReport) -> None:
-        for router in self.routers:
-            if isinstance(payload, LoadReport):
-                load.reported(router.states[index], payload)
-            else:
-                router.routes.events(router.states[index], payload)
-
-    # ------------------------------------------------------ replicas come and go
 
     def add_replica(self, index: int, engine: Engine) -> None:
         """A new engine, empty, in every router's fleet."""

@@ -1,10 +1,12 @@
 """One replay: the workload's turns through the routers to the engines, in virtual time.
 
-The simulation composes the rooms of the replayer and passes each request between
-them: the clock and its events (events.py), the engines (engines.py), the routers'
-view and a request's way through a router (routers.py), a fleet that grows and shrinks
-(scaling.py) and what is measured (metrics.py). It follows a request from its arrival
-to its end; no room calls back into it.
+The simulation composes the replayer's rooms and hands each request from one to the
+next, from its arrival to its end; no room calls back into it:
+
+- the clock and its events (events.py), and when sessions' turns arrive (``_Sessions``);
+- the routers (routers.py) and a request's way through one (routing.py);
+- the engines (engines.py), and what the routers hear from them (reports.py);
+- a fleet that grows and shrinks (scaling.py), and what is measured (metrics.py).
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ from loadtest.replay.events import (
     TurnArrives,
 )
 from loadtest.replay.metrics import Metrics
+from loadtest.replay.reports import EngineReports
 from loadtest.replay.request import TurnRequest
 from loadtest.replay.result import ReplayResult
 from loadtest.replay.routers import Routers
 from loadtest.replay.scaling import Scaling
 from loadtest.workloads import Workload
-from replica.engine import Engine, EngineRequest, StepResult
+from replica.engine import Engine, EngineRequest, RequestOutput, StepResult
 from router.core import ReplicaState
 
 
 class Simulation:
-    """One replay run; :meth:`run` returns a :class:`ReplayResult`."""
+    """One replay run; :meth:`run` returns a :class:`ReplayResult`. The same workload,
+    config and policy give the same result: every random draw comes from a generator
+    seeded by ``config.seed`` (the routers' own and their pick, the scale-in choice)."""
 
     def __init__(
         self,
@@ -50,7 +55,10 @@ class Simulation:
             for model in config.replica_models
         ]
         self.engines = EngineSteps(engines, self.events, config.max_burst_steps)
-        self.routers = Routers(config, policy, engines, self.events, any(adapters.values()))
+        self.routers = Routers(config, policy, engines, self.events)
+        self.reports = EngineReports(
+            self.routers.routers, self.events, config.event_delay_s, any(adapters.values())
+        )
         self.policy_name = self.routers[0].routes.policy().name
         request_s = engines[0].cost.request_s
         self.metrics = Metrics(workload, config.model, config.block_size, request_s)
@@ -66,7 +74,7 @@ class Simulation:
                 case Tick():
                     self.scaling.tick()
                 case Delivery(engine, payload):
-                    self.routers.deliver(engine, payload)
+                    self.reports.deliver(engine, payload)
                 case StepEnds(engine, ended):
                     self._step_ended(engine, ended)
                 case TurnArrives(session, turn):
@@ -79,20 +87,22 @@ class Simulation:
         prompt = turn.prompt_token_ids
         turn.forget_prompt()
         request = self.routers.request(session, session_index, turn_index, prompt)
+        router = self.routers[request.router]
         if self.config.max_outstanding:  # a gateway's admission: queue when all are full
-            self.routers.wait(request)
+            router.wait(request)
             self._admit_waiting(request.router)
         else:
-            self._dispatch(request, self.routers.serving(request, self.scaling.routed_to()))
+            self._dispatch(request, router.serving(request, self.scaling.routed_to()))
 
     def _admit_waiting(self, router: int) -> None:
-        for request, free in self.routers.admitted(router, self.scaling.routed_to()):
+        for request, free in self.routers[router].admitted(self.scaling.routed_to()):
             self._dispatch(request, free)
 
     def _dispatch(self, request: TurnRequest, candidates: list[ReplicaState]) -> None:
         session = self.workload.sessions[request.session]
         turn = session.turns[request.turn]
-        index = self.routers.choose(request, candidates, session.cache_salt)
+        router = self.routers[request.router]
+        index = router.choose(request, candidates, session.cache_salt)
         record = self.metrics.dispatched(request, index, session, self.events.now)
         try:
             engine_request = EngineRequest(
@@ -109,7 +119,7 @@ class Simulation:
             self._finish(request)
             return
         self._in_flight[request.request_id] = request
-        self.routers.dispatched(request, index)
+        router.dispatched(request, index)
         self.engines.wake(index)
 
     def _step_ended(self, index: int, ended: StepResult | PlannedBurst) -> None:
@@ -118,22 +128,29 @@ class Simulation:
             return
         freed: set[int] = set()  # routers whose requests ended: a slot for their queue
         for output in result.outputs:
-            request = self._in_flight[output.request_id]
-            if self.metrics.produced(output, self.events.now):
-                self.routers.prefilled(request, index)
-            if output.finished:
-                del self._in_flight[output.request_id]
-                self.routers.completed(request, index, output)
-                freed.add(request.router)
-                self._finish(request)
+            if (ended_request := self._produced(index, output)) is not None:
+                freed.add(ended_request.router)
         engine = self.engines[index]
         kv_events = engine.cache.events.drain()
-        self.routers.publish(index, engine, kv_events)
+        self.reports.publish(index, engine, kv_events)
         self.metrics.watch(kv_events)
         self.engines.step(index)
         self.scaling.engine_idle(index)
         for router in freed if self.config.max_outstanding else ():
             self._admit_waiting(router)
+
+    def _produced(self, index: int, output: RequestOutput) -> TurnRequest | None:
+        """A request's tokens came out of engine ``index``; the request, if it ended."""
+        request = self._in_flight[output.request_id]
+        router = self.routers[request.router]
+        if self.metrics.produced(output, self.events.now):
+            router.prefilled(request, index)
+        if not output.finished:
+            return None
+        del self._in_flight[output.request_id]
+        router.completed(request, index, output)
+        self._finish(request)
+        return request
 
     def _finish(self, request: TurnRequest) -> None:
         self._on_request_done()

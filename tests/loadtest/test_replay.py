@@ -17,6 +17,11 @@ POLICY_NAMES = ("round_robin", "power_of_two", "sglang_cache_aware", "cache_awar
 SMALL = ChatConfig(num_sessions=60, session_rate=4.0)
 
 
+def replay_command(flags: str, *more: str) -> list[str]:
+    """``prefix-router replay`` with ``flags`` (split at spaces), then ``more`` as given."""
+    return [sys.executable, "-m", "prefix_router", "replay", *flags.split(), *more]
+
+
 def fleet(**config) -> ReplayConfig:
     """The seed chapter's fleet: 4,096 GPU blocks per replica and no host tier, unless
     the test says otherwise (defaults follow the hardware: 26,674 and 122,070)."""
@@ -88,30 +93,33 @@ def test_requests_larger_than_the_cache_are_failures_not_crashes():
 
 def test_the_command_line_prints_a_sweep_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
-    command = [
-        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat", "--replicas", "1",
-        "--policies", "round_robin", "--chat-num-sessions", "30", "--sweep-capacity", "512,4096",
-        "--json", str(out), "--no-progress",
-    ]  # fmt: skip
+    command = replay_command(
+        "--workload chat --replicas 1 --policies round_robin --chat-num-sessions 30 "
+        "--sweep-capacity 512,4096 --no-progress",
+        "--json",
+        str(out),
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "block_hit_rate" in done.stdout and "prefill_tokens_saved" in done.stdout
     report = json.loads(out.read_text())
     labels = [r["label"] for r in report["rows"]]
     assert labels == [
-        "round_robin @ capacity_blocks=512", "infinite_cache @ capacity_blocks=512",
-        "round_robin @ capacity_blocks=4096", "infinite_cache @ capacity_blocks=4096",
-    ]  # fmt: skip
+        f"{label} @ capacity_blocks={blocks}"
+        for blocks in (512, 4096)
+        for label in ("round_robin", "infinite_cache")
+    ]
     assert [r["capacity_blocks"] for r in report["rows"]] == [512, 512, 4096, 4096]
     assert report["meta"]["seed"] == 0 and "replay" in report["meta"]["command"]
 
 
 def test_a_sweep_of_routers_writes_its_report_and_chart(tmp_path):
-    command = [
-        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat", "--replicas", "2",
-        "--policies", "cache_aware", "--chat-num-sessions", "20", "--sweep", "routers=1,2",
-        "--no-reference", "--out", str(tmp_path), "--no-progress",
-    ]  # fmt: skip
+    command = replay_command(
+        "--workload chat --replicas 2 --policies cache_aware --chat-num-sessions 20 "
+        "--sweep routers=1,2 --no-reference --no-progress",
+        "--out",
+        str(tmp_path),
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
@@ -120,10 +128,8 @@ def test_a_sweep_of_routers_writes_its_report_and_chart(tmp_path):
 
 
 def test_the_command_line_explains_bad_input():
-    done = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "replay", "--workload", "nope"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    command = replay_command("--workload nope")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "unknown workload" in done.stderr
 
 
@@ -204,11 +210,12 @@ def test_decode_bursts_change_no_figure(replicas, arrival):
 
 
 def test_the_command_line_writes_a_report_with_charts(tmp_path):
-    command = [
-        sys.executable, "-m", "prefix_router", "replay", "--policies", "round_robin,cache_aware",
-        "--chat-num-sessions", "40", "--sweep", "replicas=1,2", "--out", str(tmp_path),
+    command = replay_command(
+        "--policies round_robin,cache_aware --chat-num-sessions 40 --sweep replicas=1,2 "
         "--no-progress",
-    ]  # fmt: skip
+        "--out",
+        str(tmp_path),
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
@@ -270,12 +277,12 @@ def test_the_command_line_scales_the_load_with_the_fleet(tmp_path):
     time and two at once: the same rows."""
     rows = {}
     for jobs in ("1", "2"):
-        command = [
-            sys.executable, "-m", "prefix_router", "replay", "--workload",
-            f"trace:{MOONCAKE_TRACE}", "--limit", "10", "--replicas-per-copy", "2",
-            "--sweep", "replicas=2,4", "--policies", "round_robin,cache_aware",
-            "--jobs", jobs, "--json", str(tmp_path / f"rows{jobs}.json"), "--no-progress",
-        ]  # fmt: skip
+        command = replay_command(
+            "--limit 10 --replicas-per-copy 2 --sweep replicas=2,4 "
+            "--policies round_robin,cache_aware --no-progress",
+            *("--workload", f"trace:{MOONCAKE_TRACE}", "--jobs", jobs),
+            *("--json", str(tmp_path / f"rows{jobs}.json")),
+        )
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 0, done.stderr
         rows[jobs] = json.loads((tmp_path / f"rows{jobs}.json").read_text())["rows"]
@@ -284,9 +291,8 @@ def test_the_command_line_scales_the_load_with_the_fleet(tmp_path):
     assert by_label["cache_aware @ replicas=2"]["requests"] == 10
     assert by_label["cache_aware @ replicas=4"]["requests"] == 20  # two copies of the trace
     assert by_label["single_engine_4x @ replicas=4"]["requests"] == 20
-    assert [r["label"].split(" @ ")[0] for r in rows["2"][:4]] == [
-        "round_robin", "cache_aware", "infinite_cache", "single_engine_2x",
-    ]  # fmt: skip
+    firsts = [r["label"].split(" @ ")[0] for r in rows["2"][:4]]
+    assert firsts == ["round_robin", "cache_aware", "infinite_cache", "single_engine_2x"]
 
 
 def test_router_options_are_checked():

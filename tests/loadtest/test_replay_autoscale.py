@@ -20,9 +20,12 @@ from router.fleet.autoscaler import AutoscaleConfig
 DAY = ChatConfig(rate_shape="day", session_rate=1.5, num_sessions=300, num_apps=2, think_time_s=4)
 FLEET = ReplayConfig(replicas=4, capacity_blocks=4096, host_blocks=0, compute_scale=0.1)
 SCALING = AutoscaleConfig(
-    min_replicas=1, max_replicas=4, target_ongoing_requests=8,
-    upscale_delay_s=5, downscale_delay_s=20,
-)  # fmt: skip
+    min_replicas=1,
+    max_replicas=4,
+    target_ongoing_requests=8,
+    upscale_delay_s=5,
+    downscale_delay_s=20,
+)
 
 
 def scaled(scale_in: str = "cache") -> ReplayResult:
@@ -76,20 +79,17 @@ def test_the_fleet_grows_with_the_day_and_shrinks_without_failing_a_request(scal
 
 def test_the_command_line_scales_and_reports_replica_hours(tmp_path):
     out = tmp_path / "report.json"
-    command = [
-        sys.executable, "-m", "prefix_router", "replay", "--workload", "chat",
-        "--chat-rate-shape", "day", "--chat-num-sessions", "80", "--chat-session-rate", "1",
-        "--replicas", "2", "--min-replicas", "1", "--max-replicas", "3",
-        "--target-ongoing-requests", "4", "--downscale-delay-s", "10",
-        "--policies", "cache_aware", "--no-reference", "--json", str(out),
-    ]  # fmt: skip
+    flags = (
+        "--workload chat --chat-rate-shape day --chat-num-sessions 80 --chat-session-rate 1 "
+        "--replicas 2 --min-replicas 1 --max-replicas 3 --target-ongoing-requests 4 "
+        "--downscale-delay-s 10 --policies cache_aware --no-reference"
+    )
+    command = [sys.executable, "-m", "prefix_router", "replay", *flags.split(), "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "the fleet's size" in done.stdout and "replica_hours" in done.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["replica_hours"] > 0 and row["fleet_sizes"][0] == [0.0, 2]
-    bad = subprocess.run(
-        [*command[:-5], "--min-replicas", "3", "--max-replicas", "2"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    unbounded = [*command[:-5], "--min-replicas", "3", "--max-replicas", "2"]
+    bad = subprocess.run(unbounded, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "min_replicas" in bad.stderr

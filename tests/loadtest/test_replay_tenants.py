@@ -70,9 +70,14 @@ def test_the_reserve_keeps_a_slot_free_for_light_tenants():
     is a new prompt (one turn, no system prompt to share): no replica holds it, so
     none may take it over the cap (router/fair/slots.py), and the reserve alone frees a slot."""
     light = ChatConfig(
-        tenants="a=1,b=1,noisy=12", session_rate=0.5, num_sessions=20, num_apps=1,
-        system_prompt_tokens=8, max_turns=1, reply_tokens=600,
-    )  # fmt: skip
+        tenants="a=1,b=1,noisy=12",
+        session_rate=0.5,
+        num_sessions=20,
+        num_apps=1,
+        system_prompt_tokens=8,
+        max_turns=1,
+        reply_tokens=600,
+    )
     fleet = replace(FLEET, replicas=4)
     reserved, shared = (
         replay_row(
@@ -128,9 +133,12 @@ def test_a_tenant_at_its_cache_budget_starts_its_conversations_in_one_place():
 
     def new_sessions_per_replica(budgets: str) -> list[int]:
         config = ReplayConfig(
-            replicas=4, capacity_blocks=2048, host_blocks=0, compute_scale=0.3,
+            replicas=4,
+            capacity_blocks=2048,
+            host_blocks=0,
+            compute_scale=0.3,
             cache_budgets=budgets,
-        )  # fmt: skip
+        )
         result = replay(chat_workload(TENANTS), config, "cache_aware")
         first_turns = Counter(
             r.replica for r in result.records if r.tenant == "noisy" and not r.turn

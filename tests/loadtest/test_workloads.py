@@ -4,12 +4,17 @@ import numpy as np
 import pytest
 
 from loadtest.workloads import (
+    WORKLOADS,
     ChatConfig,
+    WorkloadOptions,
     chat_workload,
     load_workload,
     retokenized,
     trace_block_tokens,
     trace_prompt,
+    workload_for,
+    workload_kind,
+    workload_usage,
 )
 from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import ByteTokenizer
@@ -77,9 +82,9 @@ def test_chat_prompts_render_every_message_and_extend_the_turn_before():
     found = [text.find(message["content"]) for message in first.messages]
     assert -1 not in found and found == sorted(found)  # every message, in order
     # The next turn resends the history: this turn's prompt is its prefix, to the token.
-    assert len(second.prompt_token_ids) > len(first.prompt_token_ids)
-    assert np.array_equal(second.prompt_token_ids[: len(first.prompt_token_ids)],
-                          first.prompt_token_ids)  # fmt: skip
+    before, after = first.prompt_token_ids, second.prompt_token_ids
+    assert len(after) > len(before)
+    assert np.array_equal(after[: len(before)], before)
 
 
 def test_trace_hash_ids_become_deterministic_runs_of_512_tokens():
@@ -134,6 +139,37 @@ def test_bad_workload_specs_are_explained():
         load_workload("chat", {"num_session": 3})
     with pytest.raises(ValueError, match="arrival"):
         ChatConfig(arrival="trace")
+
+
+def test_the_registry_names_each_kind_and_what_the_commands_ask_of_it():
+    assert list(WORKLOADS) == ["chat", "trace"] and workload_usage() == "chat or trace:PATH"
+    chat, trace = workload_kind("chat"), workload_kind(f"trace:{TRACE}")
+    assert chat.chat and not trace.chat
+    with pytest.raises(ValueError, match="expected 'chat' or 'trace:PATH'"):
+        workload_kind("chat:extra")  # chat takes no argument, a trace needs its path
+    with pytest.raises(ValueError, match="unknown workload 'trace'"):
+        workload_kind("trace")
+
+
+def test_a_load_given_per_replica_grows_with_the_fleet():
+    """Chat's sessions and rate scale with the replicas unless its parameters fix them;
+    a trace is copied once per ``replicas_per_copy`` replicas, else played as it is."""
+    per_replica = WorkloadOptions(replicas=3, sessions_per_replica=10, rate_per_replica=2.0)
+    chat = workload_kind("chat")
+    assert chat.scales_with_fleet(per_replica)
+    scaled = workload_for("chat", per_replica)
+    alike = chat_workload(ChatConfig(num_sessions=30, session_rate=6.0))
+    assert [s.start_time_s for s in scaled.sessions] == [s.start_time_s for s in alike.sessions]
+    assert all(np.array_equal(a, b) for a, b in zip(prompts(scaled), prompts(alike), strict=True))
+    fixed = WorkloadOptions(replicas=3, sessions_per_replica=10, chat={"num_sessions": 5})
+    assert len(workload_for("chat", fixed).sessions) == 5
+    spec = f"trace:{TRACE}"
+    once = WorkloadOptions(replicas=4, limit=10)
+    copied = WorkloadOptions(replicas=4, limit=10, replicas_per_copy=2)
+    assert not workload_kind(spec).scales_with_fleet(once)
+    assert workload_kind(spec).scales_with_fleet(copied)
+    assert workload_for(spec, once).num_requests == 10
+    assert workload_for(spec, copied).num_requests == 20
 
 
 def test_a_workload_retokenized_counts_tokens_as_the_model_reads_them(tiny_model):
