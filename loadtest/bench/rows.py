@@ -52,8 +52,6 @@ def live_row(
         or [f.requests for f in counted.values()]
         or _gateway_requests(before, after)
     )
-    client = run.client
-    ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
     first = next((c for c in fleet.replicas.values() if c), None)
     row: Row = dict.fromkeys(ROW_KEYS)
     row.update(
@@ -64,10 +62,6 @@ def live_row(
         capacity_blocks=first.num_blocks if first else None,
         requests=run.requests,
         failures=run.failures,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p90_s=percentile(ttft, 90),
-        ttft_p99_s=percentile(ttft, 99),
-        e2e_p50_s=percentile(e2e, 50),
         throughput_rps=run.requests / run.elapsed_s,
         imbalance=max(per_replica) / np.mean(per_replica) if sum(per_replica) else None,
         prediction_accuracy=live_prediction_accuracy(before, after, policy),
@@ -75,22 +69,36 @@ def live_row(
         requests_per_replica=per_replica,
         models=_model_figures(before, after, _adapter_models(config)),
         requests_per_gateway=_requests_per_gateway(before, after),
-        client_token_hit_rate=client.get("client_token_hit_rate"),
-        client_prompt_tokens=client.get("prompt_tokens"),
-        client_cached_tokens=client.get("cached_tokens"),
-        late_session_starts=client.get("late_session_starts"),
-        duration_s=run.elapsed_s,
-        cpu_busy=run.cpu_busy,
-        cpu_busy_peak=run.cpu_busy_peak,
+        **_client_figures(run),
     )
     if after.replicas:
         row.update(_hit_figures(after.replicas))
     elif counted:
         row.update(_engine_hit_figures(list(counted.values())))
     else:
-        row.update(_client_hit_figures(client))
+        row.update(_client_hit_figures(run.client))
     row.update(_event_latency(after))
     return row
+
+
+def _client_figures(run: LocustRun) -> Row:
+    """What the clients measured (latencies, exact, from every streamed request) and
+    what the run took (its time, the machine's CPUs)."""
+    client = run.client
+    ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
+    return {
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "client_token_hit_rate": client.get("client_token_hit_rate"),
+        "client_prompt_tokens": client.get("prompt_tokens"),
+        "client_cached_tokens": client.get("cached_tokens"),
+        "late_session_starts": client.get("late_session_starts"),
+        "duration_s": run.elapsed_s,
+        "cpu_busy": run.cpu_busy,
+        "cpu_busy_peak": run.cpu_busy_peak,
+    }
 
 
 def _event_latency(snap: Snapshot) -> Row:
