@@ -22,7 +22,7 @@ from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row
 from loadtest.workloads import retokenized
 from replica.api.model_tokenizer import load_tokenizer
-from router.policies.base import PolicyConfig
+from router.policies import PolicyConfig
 
 POLICIES = ("round_robin", "sglang_cache_aware", "cache_aware")
 

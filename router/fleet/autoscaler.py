@@ -15,7 +15,7 @@ replica whose loss costs the caches least (``cache``: ``Policy.cache_value``, th
 requests through the prefixes it alone holds, from the router's index). ``load`` stops
 the least loaded (what a scaler that knows only load does), ``random`` any. A stopped
 replica first leaves routing, finishes what it holds, and only then stops: no request
-fails (the shells do that: loadtest/replay.py, deploy/).
+fails (the shells do that: loadtest/replay/, deploy/).
 
 Pure: the clock and the random generator are passed in.
 """
