@@ -12,7 +12,7 @@ requests/s on its own. The first run has the steady tenants alone; then one run 
 fairness mode with the noisy tenant too, each on fresh replicas (no cache carried
 over). The requests are drawn once, as a workload (the same arrival times, prompts
 and lengths in every run), and each run is replayed on the fleet's simulated twin
-(``loadtest/replay.py``: the same engines, policy and admission in virtual time).
+(``loadtest/replay/``: the same engines, policy and admission in virtual time).
 Prints each tenant's TTFT p50 and p99, live (from sending to the first streamed
 token, as the client sees it) beside the twin's, and its refusals (429) and failures.
 """

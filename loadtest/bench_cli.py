@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from deploy.flags import (
 from deploy.fleet import parse_entry
 from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
+from loadtest.option_flags import add_option_flags
 from loadtest.report import (
     MODEL_KEYS,
     Row,
@@ -32,18 +33,33 @@ from loadtest.report import (
     write_json,
 )
 from loadtest.timeline import Timeline
-from loadtest.workloads import ChatConfig
+from loadtest.workloads import ChatConfig, workload_kind, workload_usage
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES, SIM
 
-TABLE_KEYS = tuple(
-    (
-        "label requests failures token_hit_rate host_hit_rate client_token_hit_rate "
-        "replay_token_hit_rate block_hit_rate evictions ttft_p50_s ttft_p90_s ttft_p99_s "
-        "replay_ttft_p50_s replay_ttft_p99_s e2e_p50_s throughput_rps imbalance "
-        "prediction_accuracy prediction_exact prediction_within_block prediction_over "
-        "cpu_busy"
-    ).split()
+TABLE_KEYS = (
+    "label",
+    "requests",
+    "failures",
+    "token_hit_rate",
+    "host_hit_rate",
+    "client_token_hit_rate",
+    "replay_token_hit_rate",
+    "block_hit_rate",
+    "evictions",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "replay_ttft_p50_s",
+    "replay_ttft_p99_s",
+    "e2e_p50_s",
+    "throughput_rps",
+    "imbalance",
+    "prediction_accuracy",
+    "prediction_exact",
+    "prediction_within_block",
+    "prediction_over",
+    "cpu_busy",
 )
 
 READING = """\
@@ -70,6 +86,96 @@ every replica's cache was emptied:
 """
 
 
+def _help(text: str, **keywords: Any) -> dict[str, Any]:
+    return {"help": text, **keywords}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """``prefix-router bench``'s own flags (loadtest/option_flags.py), beside the
+    engine's, the chat workload's (ChatConfig) and the simulated replicas'
+    (ReplicaConfig). Where it runs: an embedded deployment (the default), a Ray cluster
+    (``--address``) or any gateway (``--gateway``)."""
+
+    address: str | None = field(
+        default=None, metadata=_help("a Ray cluster with `prefix-router up` (e.g. auto)")
+    )
+    gateway: str | None = field(
+        default=None,
+        metadata=_help(
+            "any gateway or OpenAI-compatible server; several: requests spread at random",
+            metavar="URL[,URL...]",
+        ),
+    )
+    replicas: int = field(default=4, metadata=_help("embedded deployment's replicas (default: 4)"))
+    gateways: int = field(
+        default=1,
+        metadata=_help("embedded deployment's gateways, requests spread at random (default: 1)"),
+    )
+    policies: str = field(
+        default=",".join(BenchConfig().policies),
+        metadata=_help(
+            f"comma-separated (default: {','.join(BenchConfig().policies)}); "
+            f"{sglang.LABEL}: SGLang's router in front of the same replicas"
+        ),
+    )
+    with_sglang: bool = field(
+        default=False,
+        metadata=_help(
+            "add a row routed by SGLang's router (sglang-router), started in front of the "
+            f"same replicas for its run and stopped after (same as {sglang.LABEL} in --policies)"
+        ),
+    )
+    workload: str = field(default="chat", metadata=_help(f"{workload_usage()} (default: chat)"))
+    fleet: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "repeatable, the embedded deployment's models in place of --replicas: N "
+            "replicas of each; the chat workload's sessions ask for them (--chat-models), "
+            "and the first model's replicas serve its --chat-adapters",
+            metavar="MODEL=N",
+        ),
+    )
+    limit: int = field(default=0, metadata=_help("traces: the first N requests only"))
+    seed: int = 0
+    model: str = field(
+        default=BenchConfig().model,
+        metadata=_help(
+            "the model requests name; with --engine vllm, the model folder the replicas serve"
+        ),
+    )
+    serve_arg: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "repeatable; more flags for the embedded `prefix-router serve`, such as the "
+            "gateway's: --serve-arg='--stride 1'",
+            metavar="FLAGS",
+        ),
+    )
+    users: int = BenchConfig().users
+    run_time: float = field(
+        default=BenchConfig().run_time_s,
+        metadata=_help(
+            "upper bound per policy; a run ends once every session is played", metavar="SECONDS"
+        ),
+    )
+    out: str = field(default="reports/bench", metadata=_help("report directory"))
+    no_replay: bool = field(default=False, metadata=_help("skip the replay predictions"))
+    replay_profile: str = field(
+        default="",
+        metadata=_help(
+            "with --engine vllm: the profile `prefix-router calibrate` wrote for these "
+            "engines, so that the replay predicts their fleet beside each live row",
+            metavar="FILE",
+        ),
+    )
+    session_keys: bool = field(
+        default=False,
+        metadata=_help("clients send each session's id as x-session-id (and so does the replay)"),
+    )
+    no_progress: bool = False
+
+
 def add_bench_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "bench",
@@ -77,91 +183,18 @@ def add_bench_parser(commands: Any) -> None:
         description=bench.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--address", help="a Ray cluster with `prefix-router up` (e.g. auto)")
-    target.add_argument(
-        "--gateway",
-        metavar="URL[,URL...]",
-        help="any gateway or OpenAI-compatible server; several: requests spread at random",
-    )
-    parser.add_argument(
-        "--replicas", type=int, default=4, help="embedded deployment's replicas (default: 4)"
-    )
-    parser.add_argument(
-        "--gateways",
-        type=int,
-        default=1,
-        help="embedded deployment's gateways, requests spread at random (default: 1)",
-    )
-    parser.add_argument(
-        "--policies",
-        default=",".join(BenchConfig().policies),
-        help=f"comma-separated (default: {','.join(BenchConfig().policies)}); "
-        f"{sglang.LABEL}: SGLang's router in front of the same replicas",
-    )
-    parser.add_argument(
-        "--with-sglang",
-        action="store_true",
-        help=f"add a row routed by SGLang's router (sglang-router), started in front of the "
-        f"same replicas for its run and stopped after (same as {sglang.LABEL} in --policies)",
-    )
-    parser.add_argument("--workload", default="chat", help="chat or trace:PATH (default: chat)")
-    parser.add_argument(
-        "--fleet",
-        action="append",
-        default=[],
-        metavar="MODEL=N",
-        help="repeatable, the embedded deployment's models in place of --replicas: N "
-        "replicas of each; the chat workload's sessions ask for them (--chat-models), and "
-        "the first model's replicas serve its --chat-adapters",
-    )
-    parser.add_argument("--limit", type=int, default=0, help="traces: the first N requests only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--model",
-        default=BenchConfig().model,
-        help="the model requests name; with --engine vllm, the model folder the replicas serve",
-    )
+    add_option_flags(parser, BenchOptions)
     add_engine_flags(parser, {name: kind.summary for name, kind in ENGINES.items()})
-    parser.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        metavar="FLAGS",
-        help="repeatable; more flags for the embedded `prefix-router serve`, such as the "
-        "gateway's: --serve-arg='--stride 1'",
-    )
-    parser.add_argument("--users", type=int, default=BenchConfig().users)
-    parser.add_argument(
-        "--run-time",
-        type=float,
-        default=BenchConfig().run_time_s,
-        metavar="SECONDS",
-        help="upper bound per policy; a run ends once every session is played",
-    )
-    parser.add_argument("--out", default="reports/bench", help="report directory")
-    parser.add_argument("--no-replay", action="store_true", help="skip the replay predictions")
-    parser.add_argument(
-        "--replay-profile",
-        default="",
-        metavar="FILE",
-        help="with --engine vllm: the profile `prefix-router calibrate` wrote for these "
-        "engines, so that the replay predicts their fleet beside each live row",
-    )
-    parser.add_argument(
-        "--session-keys",
-        action="store_true",
-        help="clients send each session's id as x-session-id (and so does the replay)",
-    )
-    parser.add_argument("--no-progress", action="store_true")
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",))
-    add_config_flags(
-        parser, ReplicaConfig, prefix="replica-", skip=("model", "tokenizer", "chat_template")
-    )  # the workload is bytes4
+    # the workload is bytes4: the replicas' tokenizer is the simulated model's
+    skip = ("model", "tokenizer", "chat_template")
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=skip)
     parser.set_defaults(run=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.address and args.gateway:
+        raise ValueError("--address and --gateway name one target or the other, not both")
     policies = tuple(p for p in args.policies.split(",") if p)
     if args.with_sglang and sglang.LABEL not in policies:
         policies += (sglang.LABEL,)
@@ -191,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "version": version(),
         "target": description,
         "workload": config.workload,
-        "chat": config.chat_config() if config.workload == "chat" else None,
+        "chat": config.chat_config() if workload_kind(config.workload).chat else None,
         "replica_config": next((asdict(c) for c in fleet.replicas.values() if c), None),
         "cpu_busy": max((r["cpu_busy"] for r in rows), default=None),
         "cpu_count": _cpu_count(),
@@ -247,7 +280,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
         engine = ["--engine", args.engine, "--model", args.model]
         return [*engine, *(f"--engine-arg={arg}" for arg in engine_args(args)), *more]
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
-    if args.workload == "chat":
+    if workload_kind(args.workload).chat:
         overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)
         overrides.setdefault("host_blocks", bench.BENCH_HOST_BLOCKS)
     return [*config_flags(overrides, prefix="replica-"), *more]
@@ -257,7 +290,7 @@ def _chat_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The chat workload's parameters; with ``--fleet``, its sessions ask for the
     fleet's models unless ``--chat-models`` says otherwise."""
     overrides = config_overrides(args, ChatConfig, prefix="chat_")
-    if args.fleet and args.workload == "chat":
+    if args.fleet and workload_kind(args.workload).chat:
         overrides.setdefault("models", ",".join(parse_entry(e).model for e in args.fleet))
     return overrides
 
@@ -267,7 +300,9 @@ def _fleet_flags(args: argparse.Namespace) -> list[str]:
     if not args.fleet:
         return []
     entries = [parse_entry(text) for text in args.fleet]
-    chat = ChatConfig(**_chat_overrides(args)) if args.workload == "chat" else ChatConfig()
+    chat = (
+        ChatConfig(**_chat_overrides(args)) if workload_kind(args.workload).chat else ChatConfig()
+    )
     flags = []
     for index, entry in enumerate(entries):
         adapters = entry.adapters or (chat.adapter_names if index == 0 else ())

@@ -18,8 +18,8 @@ from typing import Any
 def add_option_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
     """One ``--name`` flag per field of dataclass ``cls``: its default the field's, its
     type the default's (``X | None``: ``X``), ``store_true`` where it defaults to
-    False. A nested dataclass's fields go in a group, its metadata's ``title`` and
-    ``description``."""
+    False, repeatable where it defaults to a tuple. A nested dataclass's fields go in
+    a group, its metadata's ``title`` and ``description``."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if field.default_factory is not dataclasses.MISSING:
@@ -34,5 +34,7 @@ def add_option_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
 def _keywords(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
     if field.default is False:
         return {"action": "store_true"}
+    if isinstance(field.default, tuple):  # repeatable: each use adds one
+        return {"action": "append", "default": list(field.default)}
     kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)] or [hint]
     return {"type": kinds[0], "default": field.default}

@@ -21,12 +21,26 @@ from router.path.latency import percentile
 Row = dict[str, Any]
 
 #: The row's keys, in table order (more may follow; these are never renamed).
-ROW_KEYS = tuple(
-    (
-        "label policy workload replicas capacity_blocks requests failures prompt_tokens "
-        "cached_tokens token_hit_rate block_hit_rate evictions ttft_p50_s ttft_p90_s "
-        "ttft_p99_s e2e_p50_s throughput_rps imbalance prediction_accuracy"
-    ).split()
+ROW_KEYS = (
+    "label",
+    "policy",
+    "workload",
+    "replicas",
+    "capacity_blocks",
+    "requests",
+    "failures",
+    "prompt_tokens",
+    "cached_tokens",
+    "token_hit_rate",
+    "block_hit_rate",
+    "evictions",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "e2e_p50_s",
+    "throughput_rps",
+    "imbalance",
+    "prediction_accuracy",
 )
 
 
@@ -217,11 +231,16 @@ def max_min_shares(demands: Sequence[float], total: float) -> list[float]:
     return shares
 
 
-TENANT_KEYS = tuple(
-    (
-        "label tenant priority requests token_hit_rate ttft_p50_s ttft_p99_s "
-        "queue_wait_p99_s service_tokens"
-    ).split()
+TENANT_KEYS = (
+    "label",
+    "tenant",
+    "priority",
+    "requests",
+    "token_hit_rate",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "queue_wait_p99_s",
+    "service_tokens",
 )
 
 
