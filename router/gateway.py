@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router.config import GatewayConfig
-from router.core import ReplicaState, RoutingRequest
+from router.core import ReplicaState
 from router.fair.admission import AdmissionQueue, Overloaded
 from router.fair.fairness import FairShare
 from router.fair.tenants import ApiKeys, SaltBook
@@ -166,9 +166,6 @@ class Gateway:
     def policy(self) -> Policy:
         """The default model's policy (the only one in a fleet of one model)."""
         return self.models.policy()
-
-    def policy_of(self, request: RoutingRequest) -> Policy:
-        return self.models.policy(request.model)
 
     def switch_policy(self, name: str) -> None:
         """Route with ``name`` from now on; the new policies learn the fleet afresh."""

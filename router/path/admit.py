@@ -28,6 +28,8 @@ class Admitter:
         models: ModelRoutes,
     ) -> None:
         self.config, self.queue, self.pool, self.models = config, queue, pool, models
+        # A freed slot wakes only a waiting request that could take it: this stage
+        # knows which replicas have a slot for whom.
         queue.can_serve = lambda request: bool(self.available(request))
 
     async def admit(self, request: RoutingRequest) -> list[ReplicaState]:
