@@ -321,9 +321,14 @@ def replica(root: Path, timeout_s: float) -> Iterator[str]:
     command = [sys.executable, "-c", REPLICA_SERVER, str(port)]
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(
-            command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True,
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, process, log, timeout_s)

@@ -3,6 +3,7 @@ consistency (engine against client, replay against live, counts against counts).
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,10 @@ from replica.api.cost_model import StepCosts
 pytestmark = pytest.mark.slow
 
 #: A few short sessions: the whole comparison takes seconds.
-TINY = [
-    "--chat-num-sessions", "8", "--chat-session-rate", "4", "--chat-think-time-s", "0.3",
-    "--chat-reply-tokens", "12", "--chat-user-tokens", "20", "--users", "8",
-    "--run-time", "60", "--no-progress",
-]  # fmt: skip
+TINY = shlex.split(
+    "--chat-num-sessions 8 --chat-session-rate 4 --chat-think-time-s 0.3 "
+    "--chat-reply-tokens 12 --chat-user-tokens 20 --users 8 --run-time 60 --no-progress"
+)
 
 
 def bench(out: Path, *arguments: str) -> subprocess.CompletedProcess:
@@ -76,8 +76,9 @@ def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[
     else:  # nothing compared, nothing claimed
         assert "agree within" not in markdown and "Not compared with a replay" in markdown
     assert all(re.search(rf"\|\s+{p} \|", markdown) for p in policies)
-    charts = ["hit_rate.png", "ttft.png", "load.png", "hit_rate_over_time.png",
-              "ttft_over_time.png", "replica_load.png", "cache_occupancy.png"]  # fmt: skip
+    comparisons = ["hit_rate.png", "ttft.png", "load.png"]
+    over_time = ["hit_rate_over_time.png", "ttft_over_time.png", "replica_load.png"]
+    charts = [*comparisons, *over_time, "cache_occupancy.png"]
     assert all((out / chart).stat().st_size > 0 for chart in charts)
     assert all(f"({chart})" in markdown for chart in charts)  # embedded in the report
     return rows
@@ -104,12 +105,16 @@ def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):
     with running(replica, replica) as replicas:
         gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
         with running(gateway) as (url,):
-            done = bench(tmp_path, "--gateway", url, "--policies", "round_robin,cache_aware",
-                         "--with-sglang")  # fmt: skip
+            done = bench(
+                tmp_path, "--gateway", url, "--policies", "round_robin,cache_aware", "--with-sglang"
+            )
             # SGLang's router was started for its row and stopped after it.
-            assert not [p for p in psutil.process_iter(["cmdline"])
-                        if "sglang_router" in " ".join(p.info["cmdline"] or [])
-                        and replicas[0] in " ".join(p.info["cmdline"])]  # fmt: skip
+            assert not [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if "sglang_router" in " ".join(p.info["cmdline"] or [])
+                and replicas[0] in " ".join(p.info["cmdline"])
+            ]
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"live dashboard at {url}/dashboard" in done.stderr
     # The same replicas, emptied before each row: every row counts the whole workload.
@@ -127,10 +132,8 @@ def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):
 
 @pytest.mark.ray
 def test_bench_runs_its_own_embedded_deployment_with_two_gateways_and_stops_it(tmp_path):
-    done = bench(
-        tmp_path, "--replicas", "2", "--gateways", "2", "--replica-speedup", "4",
-        "--policies", "cache_aware", "--no-replay",
-    )  # fmt: skip
+    fleet = shlex.split("--replicas 2 --gateways 2 --replica-speedup 4")
+    done = bench(tmp_path, *fleet, "--policies", "cache_aware", "--no-replay")
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = check_report(tmp_path, ["cache_aware"], replayed=False)
     meta = json.loads((tmp_path / "report.json").read_text())["meta"]

@@ -3,6 +3,7 @@ profile whose terms are known, must have them recovered from its HTTP answers al
 
 import asyncio
 import json
+import shlex
 from dataclasses import replace
 
 import aiohttp
@@ -27,10 +28,16 @@ def test_calibrate_recovers_a_simulated_replicas_terms_and_writes_a_profile(tmp_
     out = tmp_path / "calibrated"
     with running(["replica", "--profile", str(known)]) as (url,):
         done = prefix_router(
-            "calibrate", "--backend", url, "--prompt-lengths", "128,512,1024",
-            "--cached-fractions", "0,0.5", "--batch-sizes", "1,4,8", "--decode-contexts",
-            "128,512", "--decode-tokens", "16", "--repeats", "3", "--out", str(out),
-        )  # fmt: skip
+            "calibrate",
+            "--backend",
+            url,
+            *shlex.split(
+                "--prompt-lengths 128,512,1024 --cached-fractions 0,0.5 --batch-sizes 1,4,8 "
+                "--decode-contexts 128,512 --decode-tokens 16 --repeats 3"
+            ),
+            "--out",
+            str(out),
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "calibrate: 100%" in done.stderr  # the progress bar
     fitted = get_profile(str(out / "profile.json"))
@@ -50,10 +57,13 @@ def test_calibrate_recovers_a_simulated_replicas_terms_and_writes_a_profile(tmp_
 
     # The profile drives the replayer as a built-in one does.
     replayed = prefix_router(
-        "replay", "--profile", str(out / "profile.json"), "--replicas", "2",
-        "--chat-num-sessions", "20", "--policies", "cache_aware", "--no-progress",
-        "--json", str(tmp_path / "replay.json"),
-    )  # fmt: skip
+        "replay",
+        "--profile",
+        str(out / "profile.json"),
+        *shlex.split("--replicas 2 --chat-num-sessions 20 --policies cache_aware --no-progress"),
+        "--json",
+        str(tmp_path / "replay.json"),
+    )
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     rows = json.loads((tmp_path / "replay.json").read_text())["rows"]
     assert rows[0]["capacity_blocks"] == 65536 // 16

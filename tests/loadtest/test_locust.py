@@ -3,6 +3,7 @@
 import contextlib
 import csv
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -21,15 +22,14 @@ from tests.shared import settled
 pytestmark = pytest.mark.slow
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
+#: Locust on our locustfile; the rest of a command line follows.
+LOCUST = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE)]
 
 
 def locust(tmp_path: Path, host: str, users: int, seconds: int, *options: str) -> None:
-    command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users),
-        "-r", str(users), "-t", f"{seconds}s", "--host", host, "--think-time-scale", "0",
-        "--results-file", str(tmp_path / "client.json"), "--csv", str(tmp_path / "run"),
-        "--only-summary", *options,
-    ]  # fmt: skip
+    flags = f"--headless -u {users} -r {users} -t {seconds}s --think-time-scale 0 --only-summary"
+    results = ["--results-file", str(tmp_path / "client.json"), "--csv", str(tmp_path / "run")]
+    command = [*LOCUST, "--host", host, *shlex.split(flags), *results, *options]
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
     )
@@ -42,8 +42,8 @@ def test_a_headless_locust_run_completes_and_its_figures_agree(tmp_path):
         gateway_command = ["gateway", *[f"--backend={url}" for url in replicas]]
         with running(gateway_command) as (gateway,):
             settled(gateway, replicas)
-            locust(tmp_path, gateway, 3, 12, "--chat-num-sessions", "6", "--session-keys",
-                   "--html", str(tmp_path / "report.html"))  # fmt: skip
+            options = ["--chat-num-sessions", "6", "--session-keys"]
+            locust(tmp_path, gateway, 3, 12, *options, "--html", str(tmp_path / "report.html"))
             engine = [httpx.get(url + "/stats").json()["cache"] for url in replicas]
             sessions = httpx.get(gateway + "/stats").json()["session_requests"]
     with open(tmp_path / "run_stats.csv", newline="") as stats_file:
@@ -99,11 +99,9 @@ def locust_web_ui(tmp_path: Path, host: str, *options: str) -> Iterator[str]:
     """Locust with its web UI on a free loopback port, started at once (``--autostart``);
     stopped however the test ends."""
     port = free_port()
-    command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
-        "--web-host", "127.0.0.1", "--web-port", str(port), "--autostart", "-u", "3", "-r", "3",
-        "--think-time-scale", "0", *options,
-    ]  # fmt: skip
+    web = ["--web-host", "127.0.0.1", "--web-port", str(port), "--autostart"]
+    users = shlex.split("-u 3 -r 3 --think-time-scale 0")
+    command = [*LOCUST, "--host", host, *web, *users, *options]
     log = open(tmp_path / "locust.log", "w")  # noqa: SIM115  (closed below)
     process = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=log)
     try:
@@ -161,10 +159,10 @@ def test_the_web_ui_shows_the_hit_rate_in_its_own_tab_and_route(tmp_path, browse
     assert as_csv.splitlines()[0].startswith("Name,Answers,Prompt tokens,Cached tokens")
     assert '"extended_tabs"' in page and "Cache hits" in page  # the tab the page renders
     # In a real browser: the tab is there, and shows the same row.
-    assert tab[0] == ["Name", "Answers", "Prompt tokens", "Cached tokens", "Token hit rate",
-                      "Last minute"]  # fmt: skip
-    assert tab[1] == [str(chat[key]) for key in ("name", "answers", "prompt_tokens",
-                      "cached_tokens", "token_hit_rate", "recent_hit_rate")]  # fmt: skip
+    columns = ["Name", "Answers", "Prompt tokens", "Cached tokens", "Token hit rate"]
+    assert tab[0] == [*columns, "Last minute"]
+    keys = ("name", "answers", "prompt_tokens", "cached_tokens", "token_hit_rate")
+    assert tab[1] == [str(chat[key]) for key in (*keys, "recent_hit_rate")]
 
 
 def named(driver: WebDriver, title: str) -> list:

@@ -8,13 +8,22 @@ from loadtest.timeline import Timeline
 
 def rows() -> list[dict]:
     ours = {
-        "label": "cache_aware", "policy": "cache_aware", "token_hit_rate": 0.9,
-        "client_token_hit_rate": 0.9, "ttft_p50_s": 0.01, "ttft_p99_s": 0.03,
+        "label": "cache_aware",
+        "policy": "cache_aware",
+        "token_hit_rate": 0.9,
+        "client_token_hit_rate": 0.9,
+        "ttft_p50_s": 0.01,
+        "ttft_p99_s": 0.03,
         "requests_per_replica": [10, 12],
-    }  # fmt: skip
+    }
     # A router the bench measured from outside: a label, no per-replica counts.
-    foreign = {"label": "their_router", "policy": None, "token_hit_rate": 0.8,
-               "ttft_p50_s": 0.02, "requests_per_replica": []}  # fmt: skip
+    foreign = {
+        "label": "their_router",
+        "policy": None,
+        "token_hit_rate": 0.8,
+        "ttft_p50_s": 0.02,
+        "requests_per_replica": [],
+    }
     return [ours, foreign]
 
 
@@ -34,8 +43,13 @@ def test_every_chart_is_drawn_for_our_rows_and_a_foreign_one_without_a_warning(t
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an empty legend, say, fails the test
         charts = bench_cli.write_charts(tmp_path, rows(), timelines())
-    assert {"hit_rate_over_time.png", "ttft_over_time.png", "replica_load.png",
-            "cache_occupancy.png", "load.png"} <= set(charts)  # fmt: skip
+    assert {
+        "hit_rate_over_time.png",
+        "ttft_over_time.png",
+        "replica_load.png",
+        "cache_occupancy.png",
+        "load.png",
+    } <= set(charts)
     assert all((tmp_path / name).stat().st_size > 0 for name in charts)
 
 

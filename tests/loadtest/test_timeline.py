@@ -8,11 +8,13 @@ from loadtest.timeline import Timeline
 def timeline_with_answers() -> Timeline:
     timeline = Timeline(start=1000.0)
     # (sent, TTFT, prompt tokens, cached tokens): two in the first 10 s, one in the third.
-    timeline.add_answers([
-        (1001.0, 0.010, 100, 0),
-        (1009.0, 0.030, 300, 200),
-        (1025.0, 0.020, 200, 150),
-    ])  # fmt: skip
+    timeline.add_answers(
+        [
+            (1001.0, 0.010, 100, 0),
+            (1009.0, 0.030, 300, 200),
+            (1025.0, 0.020, 200, 150),
+        ]
+    )
     return timeline
 
 
