@@ -5,6 +5,10 @@ contributes its fields' flags under the same prefix, so ``prefix-router gateway
 --stride 8 --recompute-weight 2`` reaches the nested fields; two fields with one
 flag name are refused by argparse when the parser is built. A field whose metadata
 says ``{"flag": False}`` gets no flag.
+
+A command's own options (what to run, where to write) say more than their default:
+:func:`add_option_flags` takes each flag's ``help`` and any other keyword of
+``add_argument`` (``metavar``, ``nargs``, ``const``) from its field's metadata.
 """
 
 from __future__ import annotations
@@ -158,3 +162,28 @@ def shell_words(values: Sequence[str]) -> tuple[str, ...]:
 def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The ``--engine-arg`` values, as words."""
     return shell_words(args.engine_arg)
+
+
+def add_option_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
+    """One ``--name`` flag per field of dataclass ``cls``: its default the field's, its
+    type the default's (``X | None``: ``X``), ``store_true`` where it defaults to
+    False, repeatable where it defaults to a tuple. A nested dataclass's fields go in
+    a group, its metadata's ``title`` and ``description``."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.default_factory is not dataclasses.MISSING:
+            meta = field.metadata
+            group = parser.add_argument_group(meta["title"], meta.get("description"))
+            add_option_flags(group, hints[field.name])
+            continue
+        flag = f"--{field.name.replace('_', '-')}"
+        parser.add_argument(flag, **_keywords(field, hints[field.name]), **field.metadata)
+
+
+def _keywords(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    if field.default is False:
+        return {"action": "store_true"}
+    if isinstance(field.default, tuple):  # repeatable: each use adds one
+        return {"action": "append", "default": list(field.default)}
+    kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)] or [hint]
+    return {"type": kinds[0], "default": field.default}

@@ -14,6 +14,7 @@ from typing import Any
 from deploy.flags import (
     add_config_flags,
     add_engine_flags,
+    add_option_flags,
     config_flags,
     config_overrides,
     engine_args,
@@ -22,7 +23,6 @@ from deploy.flags import (
 from deploy.fleet import parse_entry
 from loadtest import bench, plots, sglang, timeline_plots
 from loadtest.bench import BenchConfig
-from loadtest.option_flags import add_option_flags
 from loadtest.report import (
     MODEL_KEYS,
     Row,
@@ -92,7 +92,7 @@ def _help(text: str, **keywords: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """``prefix-router bench``'s own flags (loadtest/option_flags.py), beside the
+    """``prefix-router bench``'s own flags (deploy/flags.py, add_option_flags), beside the
     engine's, the chat workload's (ChatConfig) and the simulated replicas'
     (ReplicaConfig). Where it runs: an embedded deployment (the default), a Ray cluster
     (``--address``) or any gateway (``--gateway``)."""

@@ -20,9 +20,8 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from deploy.flags import add_config_flags, config_overrides, with_overrides
+from deploy.flags import add_config_flags, add_option_flags, config_overrides, with_overrides
 from loadtest import plots
-from loadtest.option_flags import add_option_flags
 from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
     MODEL_KEYS,
@@ -126,7 +125,7 @@ class LoadByFleetSize:
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """``prefix-router replay``'s own flags (loadtest/option_flags.py), beside those of
+    """``prefix-router replay``'s own flags (deploy/flags.py, add_option_flags), beside those of
     the fleet (ReplayConfig) and of the chat workload (ChatConfig)."""
 
     workload: str = field(default="chat", metadata=_help(f"{workload_usage()} (default: chat)"))
