@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
+import re
 import shlex
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,6 +25,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 SCALARS = (int, float, str, bool)
+#: A dataclass field's line: its name and annotation.
+FIELD_LINE = re.compile(r"(\w+)\s*:\s*\S")
 
 
 def add_config_flags(
@@ -38,7 +43,8 @@ def add_config_flags(
     (for Locust's configargparse parser) each flag also reads ``ENV_PREFIX_NAME``.
     """
     group = parser.add_argument_group(f"{cls.__name__} ({prefix.rstrip('-') or 'options'})")
-    for field, default, kind in _scalar_fields(cls, skip):
+    for field, default, kind, owner in _scalar_fields(cls, skip):
+        doc = field_docs(owner).get(field.name)
         flag = f"--{prefix}{field.name.replace('_', '-')}"
         dest = _dest(prefix, field.name)
         extra: dict[str, Any] = {}
@@ -46,10 +52,11 @@ def add_config_flags(
             extra["env_var"] = f"{env_prefix}{field.name}".upper()
         if kind is bool:
             action: Any = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=dest, action=action, default=None, **extra)
+            text = _escaped(doc) if doc else None
+            group.add_argument(flag, dest=dest, action=action, default=None, help=text, **extra)
         else:
             shown = default if default not in (None, "") else _default_text(field)
-            text = f"default: {shown}"
+            text = f"{_escaped(doc)} (default: {shown})" if doc else f"default: {shown}"
             metavar = kind.__name__.upper()
             group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=text, **extra)
 
@@ -99,7 +106,9 @@ def config_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
     return flags
 
 
-def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses.Field, Any, type]]:
+def _scalar_fields(
+    cls: type, skip: Sequence[str]
+) -> Iterator[tuple[dataclasses.Field, Any, type, type]]:
     """Each field that takes a flag, with its default and type, nested configs' fields
     in place. A field that defaults to ``None`` (``int | None``: "derived unless given")
     takes a flag of its other type."""
@@ -111,11 +120,38 @@ def _scalar_fields(cls: type, skip: Sequence[str]) -> Iterator[tuple[dataclasses
         if nested is not None:
             yield from _scalar_fields(nested, skip)
         elif isinstance(field.default, SCALARS):
-            yield field, field.default, type(field.default)
+            yield field, field.default, type(field.default), cls
         elif field.default is None:
             kinds = [k for k in typing.get_args(hints[field.name]) if k in SCALARS]
             if len(kinds) == 1:
-                yield field, None, kinds[0]
+                yield field, None, kinds[0], cls
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's ``#:`` comment in the class's source (the lines right above it),
+    as one line: a config's flags say what the field says (``{}`` where the source
+    cannot be read)."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    comment: list[str] = []
+    for line in lines[1:]:
+        text = line.strip()
+        field = FIELD_LINE.match(text)
+        if text.startswith("#:"):
+            comment.append(text[2:].strip())
+            continue
+        if field is not None and comment:
+            docs[field.group(1)] = " ".join(comment)
+        comment = []
+    return docs
+
+
+def _escaped(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def _default_text(field: dataclasses.Field) -> str:

@@ -52,3 +52,16 @@ def test_two_fields_with_one_flag_are_refused_when_the_parser_is_built():
     add_config_flags(parser, GatewayConfig)
     with pytest.raises(argparse.ArgumentError, match="conflicting option string"):
         add_config_flags(parser, ReplayConfig)
+
+
+def test_a_fields_comment_is_its_flags_help_and_its_default_follows():
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, GatewayConfig)
+    helps = {action.dest: action.help for action in parser._actions}
+    # a nested config's field, documented by its #: comment
+    assert helps["block_size"] == (
+        "Tokens per KV block of the fleet's engines (the router must hash as they do). "
+        "(default: 16)"
+    )
+    assert helps["policy"] == "default: cache_aware"  # no comment: the default alone
+    parser.format_help()  # every help formats (argparse reads a % as a format)
