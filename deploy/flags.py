@@ -200,6 +200,12 @@ def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     return shell_words(args.engine_arg)
 
 
+def helped(text: str, **keywords: Any) -> dict[str, Any]:
+    """An option field's metadata: its flag's ``help`` and other ``add_argument``
+    keywords (``metavar``, ``nargs``, ``const``)."""
+    return {"help": text, **keywords}
+
+
 def add_option_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
     """One ``--name`` flag per field of dataclass ``cls``: its default the field's, its
     type the default's (``X | None``: ``X``), ``store_true`` where it defaults to

@@ -18,6 +18,7 @@ from deploy.flags import (
     config_flags,
     config_overrides,
     engine_args,
+    helped,
     shell_words,
 )
 from deploy.fleet import parse_entry
@@ -86,10 +87,6 @@ every replica's cache was emptied:
 """
 
 
-def _help(text: str, **keywords: Any) -> dict[str, Any]:
-    return {"help": text, **keywords}
-
-
 @dataclass(frozen=True)
 class BenchOptions:
     """``prefix-router bench``'s own flags (deploy/flags.py, add_option_flags), beside the
@@ -98,55 +95,55 @@ class BenchOptions:
     (``--address``) or any gateway (``--gateway``)."""
 
     address: str | None = field(
-        default=None, metadata=_help("a Ray cluster with `prefix-router up` (e.g. auto)")
+        default=None, metadata=helped("a Ray cluster with `prefix-router up` (e.g. auto)")
     )
     gateway: str | None = field(
         default=None,
-        metadata=_help(
+        metadata=helped(
             "any gateway or OpenAI-compatible server; several: requests spread at random",
             metavar="URL[,URL...]",
         ),
     )
-    replicas: int = field(default=4, metadata=_help("embedded deployment's replicas (default: 4)"))
+    replicas: int = field(default=4, metadata=helped("embedded deployment's replicas (default: 4)"))
     gateways: int = field(
         default=1,
-        metadata=_help("embedded deployment's gateways, requests spread at random (default: 1)"),
+        metadata=helped("embedded deployment's gateways, requests spread at random (default: 1)"),
     )
     policies: str = field(
         default=",".join(BenchConfig().policies),
-        metadata=_help(
+        metadata=helped(
             f"comma-separated (default: {','.join(BenchConfig().policies)}); "
             f"{sglang.LABEL}: SGLang's router in front of the same replicas"
         ),
     )
     with_sglang: bool = field(
         default=False,
-        metadata=_help(
+        metadata=helped(
             "add a row routed by SGLang's router (sglang-router), started in front of the "
             f"same replicas for its run and stopped after (same as {sglang.LABEL} in --policies)"
         ),
     )
-    workload: str = field(default="chat", metadata=_help(f"{workload_usage()} (default: chat)"))
+    workload: str = field(default="chat", metadata=helped(f"{workload_usage()} (default: chat)"))
     fleet: tuple[str, ...] = field(
         default=(),
-        metadata=_help(
+        metadata=helped(
             "repeatable, the embedded deployment's models in place of --replicas: N "
             "replicas of each; the chat workload's sessions ask for them (--chat-models), "
             "and the first model's replicas serve its --chat-adapters",
             metavar="MODEL=N",
         ),
     )
-    limit: int = field(default=0, metadata=_help("traces: the first N requests only"))
+    limit: int = field(default=0, metadata=helped("traces: the first N requests only"))
     seed: int = 0
     model: str = field(
         default=BenchConfig().model,
-        metadata=_help(
+        metadata=helped(
             "the model requests name; with --engine vllm, the model folder the replicas serve"
         ),
     )
     serve_arg: tuple[str, ...] = field(
         default=(),
-        metadata=_help(
+        metadata=helped(
             "repeatable; more flags for the embedded `prefix-router serve`, such as the "
             "gateway's: --serve-arg='--stride 1'",
             metavar="FLAGS",
@@ -155,15 +152,15 @@ class BenchOptions:
     users: int = BenchConfig().users
     run_time: float = field(
         default=BenchConfig().run_time_s,
-        metadata=_help(
+        metadata=helped(
             "upper bound per policy; a run ends once every session is played", metavar="SECONDS"
         ),
     )
-    out: str = field(default="reports/bench", metadata=_help("report directory"))
-    no_replay: bool = field(default=False, metadata=_help("skip the replay predictions"))
+    out: str = field(default="reports/bench", metadata=helped("report directory"))
+    no_replay: bool = field(default=False, metadata=helped("skip the replay predictions"))
     replay_profile: str = field(
         default="",
-        metadata=_help(
+        metadata=helped(
             "with --engine vllm: the profile `prefix-router calibrate` wrote for these "
             "engines, so that the replay predicts their fleet beside each live row",
             metavar="FILE",
@@ -171,7 +168,7 @@ class BenchOptions:
     )
     session_keys: bool = field(
         default=False,
-        metadata=_help("clients send each session's id as x-session-id (and so does the replay)"),
+        metadata=helped("clients send each session's id as x-session-id (and so does the replay)"),
     )
     no_progress: bool = False
 

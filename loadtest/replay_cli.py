@@ -20,7 +20,13 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from deploy.flags import add_config_flags, add_option_flags, config_overrides, with_overrides
+from deploy.flags import (
+    add_config_flags,
+    add_option_flags,
+    config_overrides,
+    helped,
+    with_overrides,
+)
 from loadtest import plots
 from loadtest.replay import ReplayConfig, ReplayResult, infinite_cache_bound, replay
 from loadtest.report import (
@@ -93,33 +99,30 @@ TABLE_KEYS = (
 )
 
 
-def _help(text: str, **keywords: Any) -> dict[str, Any]:
-    return {"help": text, **keywords}
-
-
 @dataclass(frozen=True)
 class LoadByFleetSize:
     """How the workload's load follows the fleet's size."""
 
     sessions_per_replica: int = field(
         default=CHAT_SESSIONS_PER_REPLICA,
-        metadata=_help(f"chat sessions per replica (default: {CHAT_SESSIONS_PER_REPLICA})"),
+        metadata=helped(f"chat sessions per replica (default: {CHAT_SESSIONS_PER_REPLICA})"),
     )
     rate_per_replica: float = field(
         default=CHAT_RATE_PER_REPLICA,
-        metadata=_help(
+        metadata=helped(
             f"chat sessions started per second per replica (default: {CHAT_RATE_PER_REPLICA})"
         ),
     )
     replicas_per_copy: int | None = field(
         default=None,
-        metadata=_help(
+        metadata=helped(
             "one copy of the trace per this many replicas, each copy a tenant of its own "
             "shifted in time (default: one copy whatever the fleet)"
         ),
     )
     copy_shift_s: float = field(
-        default=60.0, metadata=_help("the copies start spread over this many seconds (default: 60)")
+        default=60.0,
+        metadata=helped("the copies start spread over this many seconds (default: 60)"),
     )
 
 
@@ -128,16 +131,16 @@ class ReplayOptions:
     """``prefix-router replay``'s own flags (deploy/flags.py, add_option_flags), beside those of
     the fleet (ReplayConfig) and of the chat workload (ChatConfig)."""
 
-    workload: str = field(default="chat", metadata=_help(f"{workload_usage()} (default: chat)"))
+    workload: str = field(default="chat", metadata=helped(f"{workload_usage()} (default: chat)"))
     policies: str = field(
         default=DEFAULT_POLICIES,
-        metadata=_help(
+        metadata=helped(
             f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES})"
         ),
     )
     sweep: str | None = field(
         default=None,
-        metadata=_help(
+        metadata=helped(
             "rows for several values of replicas, capacity, routers or fairness, "
             "e.g. replicas=1,2,4,8 or fairness=fcfs,vtc,prefill",
             metavar="NAME=V1,V2,...",
@@ -145,7 +148,7 @@ class ReplayOptions:
     )
     sweep_capacity: str | None = field(
         default=None,
-        metadata=_help(
+        metadata=helped(
             f"same as --sweep capacity=... (default list: {DEFAULT_CAPACITY_SWEEP})",
             nargs="?",
             const=DEFAULT_CAPACITY_SWEEP,
@@ -153,7 +156,7 @@ class ReplayOptions:
         ),
     )
     limit: int | None = field(
-        default=None, metadata=_help("replay only the first N trace requests")
+        default=None, metadata=helped("replay only the first N trace requests")
     )
     load: LoadByFleetSize = field(
         default_factory=LoadByFleetSize,
@@ -164,17 +167,17 @@ class ReplayOptions:
             "per --replicas-per-copy",
         },
     )
-    no_reference: bool = field(default=False, metadata=_help("skip the reference rows"))
+    no_reference: bool = field(default=False, metadata=helped("skip the reference rows"))
     json: str | None = field(
-        default=None, metadata=_help("write the rows as JSON (DESIGN.md sec. 7)", metavar="PATH")
+        default=None, metadata=helped("write the rows as JSON (DESIGN.md sec. 7)", metavar="PATH")
     )
     out: str | None = field(
-        default=None, metadata=_help("write report.md, report.json and PNG charts", metavar="DIR")
+        default=None, metadata=helped("write report.md, report.json and PNG charts", metavar="DIR")
     )
-    no_progress: bool = field(default=False, metadata=_help("no progress bars"))
+    no_progress: bool = field(default=False, metadata=helped("no progress bars"))
     jobs: int = field(
         default=1,
-        metadata=_help("replays run at once, one process each (default: 1; memory grows with it)"),
+        metadata=helped("replays run at once, one process each (default: 1; memory grows with it)"),
     )
 
 

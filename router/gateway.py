@@ -162,11 +162,6 @@ class Gateway:
         routing = replace(self.config.routing, model=model)  # it seeds the model's index
         return make_policy(self.policy_name, time.monotonic, self.rng, routing)
 
-    @property
-    def policy(self) -> Policy:
-        """The default model's policy (the only one in a fleet of one model)."""
-        return self.models.policy()
-
     def switch_policy(self, name: str) -> None:
         """Route with ``name`` from now on; the new policies learn the fleet afresh."""
         make_policy(name, time.monotonic, self.rng, self.config.routing)  # refused here if bad
