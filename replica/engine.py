@@ -30,7 +30,7 @@ from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.host_cache import HostCache
 from replica.lora import AdapterSlots
 from replica.prefix_cache import CacheStats, PrefixCache
-from replica.sampling import biased_token
+from replica.sampling import biased_token, unbiased_share
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from replica.sequence import EngineRequest, FinishReason, Sequence
 
@@ -377,10 +377,14 @@ class Engine:
         """A token that depends only on the seed, the request id and the position."""
         draw = xxhash.xxh3_64_intdigest(index.to_bytes(4, "little"), seed=seq.sample_seed)
         request = seq.request
-        may_end = not request.ignore_eos and index >= request.min_tokens
-        if may_end and (draw >> 40) < self.config.eos_probability * (1 << 24):
-            return self.tokenizer.eos_token_id
         vocabulary = self.tokenizer.vocabulary
+        eos_probability = self.config.eos_probability
+        if request.logit_bias:  # a token the bias raises holds EOS back as it does the rest
+            share = unbiased_share(len(vocabulary), self._vocabulary_ids, request.logit_bias)
+            eos_probability *= share
+        may_end = not request.ignore_eos and index >= request.min_tokens
+        if may_end and (draw >> 40) < eos_probability * (1 << 24):
+            return self.tokenizer.eos_token_id
         if request.logit_bias:
             return biased_token(draw, vocabulary, self._vocabulary_ids, request.logit_bias)
         return vocabulary[draw % len(vocabulary)]

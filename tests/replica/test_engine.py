@@ -287,3 +287,7 @@ def test_min_tokens_holds_eos_back_and_logit_bias_moves_the_toy_model(make_engin
     ban = tuple((token, -100.0) for token in banned)
     free = run(engine, [EngineRequest("b", prompt(40), 200, logit_bias=ban)])
     assert not set(free["b"]["tokens"]) & set(banned) and len(set(free["b"]["tokens"])) > 100
+    # EOS's logit is not raised: a token forced by +100 holds it back too, as in vLLM
+    certain_end = make_engine(eos_probability=1.0)
+    held = run(certain_end, [EngineRequest("h", prompt(40), 16, logit_bias=((word, 100.0),))])
+    assert held["h"]["tokens"] == [word] * 16
