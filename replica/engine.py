@@ -9,6 +9,7 @@ and the same calls, it produces the same tokens and the same durations.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,16 +24,18 @@ from replica.api.cost_model import (
     HostLink,
     attention_pairs,
     get_link,
+    get_peer_link,
     get_profile,
 )
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.host_cache import HostCache
+from replica.kv_transfer import Leases, TransferStats
 from replica.lora import AdapterSlots
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.sampling import biased_token, unbiased_share
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from replica.sequence import EngineRequest, FinishReason, Sequence
+from replica.sequence import EngineRequest, FinishReason, Sequence, Status
 
 #: The engine's face to its drivers (the replica server and the offline replayer).
 __all__ = [
@@ -71,6 +74,9 @@ class EngineConfig:
     #: many one batch may use at once (vLLM's ``--lora-modules`` and ``--max-loras``).
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
+    #: The link KV is pulled from peers over (replica/kv_transfer.py): nvlink,
+    #: rdma200, rdma400, tcp or GB/s.
+    peer_link: str = "rdma200"
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -83,6 +89,7 @@ class EngineConfig:
             raise ValueError(f"host_blocks must not be negative, got {self.host_blocks}")
         if self.host_link:
             get_link(self.host_link)
+        get_peer_link(self.peer_link)
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must lie in [0, 1]")
         if self.compute_scale <= 0:
@@ -110,6 +117,7 @@ class EngineConfig:
             host_link=replica.host_link,
             lora_modules=replica.adapters,
             max_loras=replica.max_loras,
+            peer_link=replica.peer_link,
         )
 
     @property
@@ -198,6 +206,13 @@ class Engine:
         self._vocabulary_ids = frozenset(self.tokenizer.vocabulary)  # for logit_bias
         self._hasher_factory = hasher_factory
         self._seqs: dict[str, Sequence] = {}
+        self.peer_link: HostLink = get_peer_link(self.config.peer_link)
+        self.transfers = TransferStats()
+        self.leases = Leases(self.cache, self.transfers)
+        #: Requests whose pull is under way: (when it ends, order, request), a heap.
+        self._pulling: list[tuple[float, int, Sequence]] = []
+        self._pull_ends: dict[str, float] = {}
+        self._link_free_s = 0.0
         self.now = 0.0
         self.busy_s = 0.0
         self.num_steps = 0
@@ -205,8 +220,10 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; raises ValueError if it could never fit in the KV cache."""
+    def add_request(self, request: EngineRequest, arrived_s: float | None = None) -> None:
+        """Queue a request; raises ValueError if it could never fit in the KV cache.
+        ``arrived_s``: when it came, if later than :attr:`now` (a driver that runs a
+        decode burst's iterations at its end: a pull starts when the request came)."""
         if request.request_id in self._seqs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         needed = len(request.prompt_token_ids) + request.max_tokens
@@ -226,19 +243,75 @@ class Engine:
             )
         seq = Sequence(request, hasher, sample_seed)
         self._seqs[request.request_id] = seq
-        self.scheduler.add(seq)
+        if not (request.pull_tokens and self._start_pull(seq, max(self.now, arrived_s or 0.0))):
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; ``False`` if it is unknown or finished."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        if self._pull_ends.pop(request_id, None) is not None:  # never queued: nothing held
+            self._pulling = [entry for entry in self._pulling if entry[2] is not seq]
+            heapq.heapify(self._pulling)
+            seq.status, seq.finish_reason = Status.FINISHED, FinishReason.ABORT
+            return True
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
+    # ------------------------------------------------------------ KV transfers
+
+    def _start_pull(self, seq: Sequence, now: float) -> bool:
+        """Start pulling the leading blocks a peer lends ``seq`` that this cache lacks;
+        ``False`` if it lacks none (the request is queued at once)."""
+        size = self.config.block_size
+        lent = min(seq.request.pull_tokens // size, (seq.num_tokens - 1) // size)
+        local = len(self.cache.match(seq.block_hashes[:lent], bytes(seq.token_bytes)))
+        if lent <= local:
+            return False
+        seconds = self.cost.transfer_time((lent - local) * size, self.peer_link)
+        ends = max(now, self._link_free_s) + seconds  # one pull at a time per link
+        self._link_free_s = ends
+        seq.pulled_blocks = lent
+        heapq.heappush(self._pulling, (ends, len(self._pull_ends), seq))
+        self._pull_ends[seq.request_id] = ends
+        stats = self.transfers
+        stats.pulls += 1
+        stats.pulled_tokens += (lent - local) * size
+        stats.pull_s += seconds
+        return True
+
+    def pull_would_end_s(self, tokens: int) -> float:
+        """When a pull of ``tokens`` started now would end (after those under way)."""
+        return max(self.now, self._link_free_s) + self.cost.transfer_time(tokens, self.peer_link)
+
+    def pull_end_s(self, request_id: str) -> float | None:
+        """When the pull of a request added with ``pull_tokens`` ends (``None``: none
+        under way)."""
+        return self._pull_ends.get(request_id)
+
+    @property
+    def next_pull_s(self) -> float | None:
+        """When the first pull under way ends: an idle engine's driver wakes it then."""
+        return self._pulling[0][0] if self._pulling else None
+
+    def _queue_pulled(self) -> None:
+        """Queue the requests whose pulls have ended, in the order they ended."""
+        while self._pulling and self._pulling[0][0] <= self.now:
+            _, _, seq = heapq.heappop(self._pulling)
+            del self._pull_ends[seq.request_id]
+            self.scheduler.add(seq)
+
+    def lend(self, lease_id: str, block_hashes: list[int], until_s: float) -> int:
+        """Pin, until ``until_s``, the blocks a peer will pull: those held for
+        ``lease_id`` (a finished prefill's), else the leading ones of ``block_hashes``
+        this cache holds. Returns how many blocks (0: none)."""
+        self.leases.expire(self.now)
+        return self.leases.lend(lease_id, block_hashes, until_s)
+
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._pulling)
 
     @property
     def num_running(self) -> int:
@@ -246,7 +319,9 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests queued, those whose pull is under way among them (as vLLM counts
+        its requests waiting for remote KV)."""
+        return len(self.scheduler.waiting) + len(self._pulling)
 
     @property
     def free_blocks(self) -> int:
@@ -257,10 +332,14 @@ class Engine:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens of the waiting and running requests not computed yet."""
         scheduler = self.scheduler
-        return sum(
-            max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+        pulled = self.config.block_size
+        queued = sum(
+            max(seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.pulled_blocks * pulled), 0)
             for queue in (scheduler.waiting, scheduler.running)
             for seq in queue
+        )
+        return queued + sum(
+            seq.num_prompt_tokens - seq.pulled_blocks * pulled for _, _, seq in self._pulling
         )
 
     # --------------------------------------------------------------------- time
@@ -270,7 +349,10 @@ class Engine:
         self.now = max(self.now, now)
 
     def step(self) -> StepResult:
-        """Run one iteration; an idle engine returns an empty result of zero duration."""
+        """Run one iteration; an idle engine returns an empty result of zero duration
+        (as does one whose only requests are pulling their KV: see :attr:`next_pull_s`)."""
+        self.leases.expire(self.now)
+        self._queue_pulled()
         chunks = self.scheduler.schedule()
         batch = batch_shape(chunks, self.adapters.take_loads())
         duration = self.cost.step_time(batch, self.link) / self.config.compute_scale
@@ -294,6 +376,9 @@ class Engine:
         """Report new tokens; finish the request if the last one ends it."""
         reason = self._stop_reason(seq, tokens[-1])
         if reason is not None:
+            if seq.request.hold_s:  # a remote decode will pull the prompt's blocks
+                blocks = seq.block_table[: seq.num_cached_blocks]
+                self.leases.hold(seq.request_id, blocks, self.now + seq.request.hold_s)
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
         return RequestOutput(
@@ -334,7 +419,11 @@ class Engine:
         scale = self.config.compute_scale
         durations = [d / scale for d in self.cost.decode_step_times(len(running), context, steps)]
         batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
-        return Burst(self.now, list(accumulate(durations)), batch, drawn)
+        burst = Burst(self.now, list(accumulate(durations)), batch, drawn)
+        if self._pulling:  # a pulled request joins after the iteration its pull ends in
+            steps = burst.steps_past(self._pulling[0][0])
+            burst = Burst(self.now, burst.elapsed[:steps], batch, drawn)
+        return burst if burst.max_steps >= 2 else None
 
     def run_burst(self, burst: Burst, steps: int) -> StepResult:
         """Run the first ``steps`` iterations of a burst planned on this engine's
@@ -420,7 +509,10 @@ class Engine:
 
     def reset_cache(self) -> bool:
         """Clear both tiers and their statistics; refused while requests run."""
-        if self.has_unfinished or not self.cache.reset():
+        if self.has_unfinished:
+            return False
+        self.leases.release_all()
+        if not self.cache.reset():
             return False
         if self.host is not None:
             self.host.reset()

@@ -3,7 +3,10 @@
 The pure :class:`~replica.engine.Engine` says how long each step would take on the
 simulated GPU; this loop sleeps that long (divided by ``speedup``, less the time the
 step took to compute here) before handing the step's tokens to their streams, so
-clients see the simulated GPU's timing. All of it runs on one asyncio event loop.
+clients see the simulated GPU's timing. While it idles, the engine's clock follows
+the wall's (times ``speedup``), so that pulls and holds of KV (replica/kv_transfer.py)
+last their simulated time; an engine whose only requests are pulling idles until the
+first pull ends. All of it runs on one asyncio event loop.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue[RequestOutput | EngineDead]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: When the loop last began to idle (its clock), until the engine's clock caught up.
+        self._idle_since: float | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -69,6 +74,7 @@ class EngineLoop:
         """
         if self.failure is not None:
             raise EngineDead(f"the engine loop stopped: {self.failure}")
+        self.catch_up()
         self.engine.add_request(request)
         queue: asyncio.Queue[RequestOutput | EngineDead] = asyncio.Queue()
         self._streams[request.request_id] = queue
@@ -106,16 +112,41 @@ class EngineLoop:
                 queue.put_nowait(dead)
             raise
 
+    def _now(self) -> float:
+        return (self._clock or asyncio.get_running_loop().time)()
+
+    def catch_up(self) -> float:
+        """Move an idle engine's clock to the wall's (times ``speedup``); its time now."""
+        if self._idle_since is not None:
+            now = self._now()
+            self.engine.advance_to(self.engine.now + (now - self._idle_since) * self.speedup)
+            self._idle_since = now
+        return self.engine.now
+
+    async def _idle(self, until_s: float | None = None) -> None:
+        """Wait for new work, or until the engine's time ``until_s`` (a pull's end)."""
+        self._wake.clear()
+        self._idle_since = self._now()
+        timeout = None if until_s is None else max(until_s - self.engine.now, 0.0) / self.speedup
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            self.catch_up()
+            self.engine.advance_to(until_s or 0.0)  # not a hair short of it
+        self.catch_up()
+        self._idle_since = None
+
     async def _step_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        clock = self._clock or loop.time
+        clock = self._clock or asyncio.get_running_loop().time
         while True:
             if not self.engine.has_unfinished:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             started = clock()
             result = self.engine.step()
+            if not result.duration_s and (pull_ends := self.engine.next_pull_s) is not None:
+                await self._idle(pull_ends)  # only pulls under way
+                continue
             delay = result.duration_s / self.speedup - (clock() - started)
             await asyncio.sleep(max(delay, 0.0))
             for output in result.outputs:

@@ -128,6 +128,8 @@ class CacheStats:
     #: Of the hits, those loaded from the host tier.
     host_hit_tokens: int = 0
     host_hit_blocks: int = 0
+    #: Prompt tokens pulled from a peer replica (not hits: this cache did not hold them).
+    pulled_tokens: int = 0
 
     @property
     def token_hit_rate(self) -> float:

@@ -128,7 +128,8 @@ class Scheduler:
             token_bytes = bytes(seq.token_bytes)
             hits = self._match(seq, token_bytes)
             loaded = self._host_run(seq, token_bytes, len(hits))
-            num_computed = (len(hits) + loaded) * self.cache.block_size
+            pulled = self._pulled_run(seq, len(hits) + loaded)
+            num_computed = (len(hits) + loaded + pulled) * self.cache.block_size
             num_tokens = min(seq.num_tokens - num_computed, budget)
             num_new_blocks = self._blocks_for(num_computed + num_tokens) - len(hits)
             idle_hits = sum(block.ref_count == 0 for block in hits)  # hits stop being reclaimable
@@ -137,13 +138,13 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.adapters.use(seq.request.lora)
-            stop = len(hits) + loaded
+            stop = len(hits) + loaded + pulled
             if loaded:  # copied first: the allocation below may demote into a full host
                 assert self.host is not None
-                self.host.loaded(seq.block_hashes[len(hits) : stop])
+                self.host.loaded(seq.block_hashes[len(hits) : len(hits) + loaded])
             self.cache.acquire(hits)
             seq.block_table = hits + self.cache.allocate(num_new_blocks)
-            if loaded:  # the copies hold the KV now: cache them, as computed blocks
+            if loaded or pulled:  # the copies hold the KV now: cache them, as computed blocks
                 self.cache.cache_blocks(
                     seq.block_table,
                     len(hits),
@@ -153,10 +154,11 @@ class Scheduler:
                     seq.request.cache_salt,
                     seq.request.lora,
                 )
-            seq.num_cached_blocks = len(hits) + loaded
+            seq.num_cached_blocks = stop
             seq.num_computed_tokens = num_computed
+            seq.pulled_blocks = 0  # taken: a preempted request recomputes them
             loaded_tokens = loaded * self.cache.block_size
-            self._record_query(seq, num_computed, loaded_tokens)
+            self._record_query(seq, num_computed, loaded_tokens, pulled * self.cache.block_size)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_computed, num_tokens, loaded_tokens))
@@ -190,18 +192,28 @@ class Scheduler:
             return run
         return 0
 
-    def _record_query(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
+    def _pulled_run(self, seq: Sequence, start: int) -> int:
+        """How many blocks from ``start`` a finished pull brought (0: none left)."""
+        return max(0, min(seq.pulled_blocks, self._max_blocks(seq)) - start)
+
+    def _record_query(
+        self, seq: Sequence, num_cached: int, num_loaded: int, num_pulled: int = 0
+    ) -> None:
         """Count a request's prompt once, not again when it resumes from preemption:
-        its cached tokens from both tiers, those loaded from the host among them."""
+        its cached tokens from both tiers, those loaded from the host among them, and
+        apart from them those pulled from a peer (the request reports them as cached,
+        as vLLM does an external hit; the cache's hit rate counts its own hits)."""
         if seq.num_cached_prompt_tokens is not None:
             return
         seq.num_cached_prompt_tokens = num_cached
         stats = self.cache.stats
         size = self.cache.block_size
+        own = num_cached - num_pulled
         stats.query_tokens += seq.num_prompt_tokens
-        stats.hit_tokens += num_cached
+        stats.hit_tokens += own
+        stats.pulled_tokens += num_pulled
         stats.query_blocks += seq.num_prompt_tokens // size
-        stats.hit_blocks += num_cached // size
+        stats.hit_blocks += own // size
         stats.host_hit_tokens += num_loaded
         stats.host_hit_blocks += num_loaded // size
 

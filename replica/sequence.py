@@ -43,12 +43,20 @@ class EngineRequest:
     #: The LoRA adapter it runs under (its name seeds the request's block identities);
     #: ``None``: the base model.
     lora: str | None = None
+    #: Seconds its prompt's blocks stay pinned after it finishes, for a decode replica
+    #: to pull (vLLM's ``do_remote_decode``; 0: freed at once).
+    hold_s: float = 0.0
+    #: Leading prompt tokens a peer lends it, pulled before it is prefilled (vLLM's
+    #: ``do_remote_prefill``; 0: none). See replica/kv_transfer.py.
+    pull_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
             raise ValueError("the prompt must hold at least one token")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.hold_s < 0 or self.pull_tokens < 0:
+            raise ValueError("hold_s and pull_tokens must not be negative")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must lie in [0, max_tokens], got {self.min_tokens}")
 
@@ -77,6 +85,9 @@ class Sequence:
     num_cached_blocks: int = 0
     num_cached_prompt_tokens: int | None = None
     num_preemptions: int = 0
+    #: Leading prompt blocks pulled from a peer, to be taken as computed when it is
+    #: first admitted (a preempted request recomputes them).
+    pulled_blocks: int = 0
     cacheable: bool = True
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None

@@ -15,6 +15,8 @@ from replica.api.tokenizer import DEFAULT_TOKENIZER
 
 #: Llama-3-8B on one H100 (see ``replica/api/cost_model.py`` for the sources).
 DEFAULT_PROFILE = "llama3-8b-h100"
+#: What a replica does in a disaggregated fleet (``both``: an aggregated replica).
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class ReplicaConfig:
     #: many one batch may use at once (vLLM's ``--lora-modules``, ``--max-loras``).
     lora_modules: str = ""
     max_loras: int = 1
+    #: What it does for a disaggregated fleet: ``both`` (prefill and decode, as every
+    #: replica did before), ``prefill`` or ``decode``; the gateway reads it from /stats.
+    role: str = "both"
+    #: The link it pulls peers' KV over: ``nvlink``, ``rdma200``, ``rdma400``, ``tcp``
+    #: or GB/s (replica/kv_transfer.py).
+    peer_link: str = "rdma200"
+    #: Seconds a prefill holds a prompt's blocks for its decode replica to pull (vLLM's
+    #: NIXL connector frees them after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s).
+    kv_hold_s: float = 30.0
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -55,6 +66,10 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
+        if self.kv_hold_s < 0:
+            raise ValueError(f"kv_hold_s must not be negative, got {self.kv_hold_s}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

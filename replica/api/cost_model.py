@@ -69,7 +69,8 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class HostLink:
-    """The GPU's link to host memory: usable bandwidth per direction, latency per copy."""
+    """A link KV is copied over (the GPU's to host memory, or to a peer replica): usable
+    bandwidth per direction, latency per copy."""
 
     name: str
     bytes_per_s: float
@@ -88,6 +89,32 @@ class HostLink:
 PCIE4 = HostLink("pcie4", bytes_per_s=25e9, latency_s=10e-6)
 PCIE5 = HostLink("pcie5", bytes_per_s=50e9, latency_s=10e-6)
 LINKS: dict[str, HostLink] = {link.name: link for link in (PCIE4, PCIE5)}
+
+
+# Links between replicas, for KV pulled from a peer (vLLM's NIXL connector, llm-d,
+# Dynamo): per GPU, since each GPU of a tensor-parallel group reads its own shard.
+# NVLink 4 moves 450 GB/s per direction per H100 (NVIDIA H100 datasheet: 900 GB/s
+# bidirectional); an RDMA NIC (ConnectX-7) 200 or 400 Gb/s, 25 or 50 GB/s on the wire;
+# TCP over a 100 GbE NIC, what one UCX TCP stream reaches, taken as 3 GB/s. Usable
+# shares (80% of NVLink, 90% of the RDMA wire) and each pull's fixed cost (the
+# descriptor exchange and the done notice: 0.1 ms over NVLink, 0.5 ms over RDMA, 1 ms
+# over TCP) are assumptions, of the order NIXL's own benchmarks report.
+NVLINK = HostLink("nvlink", bytes_per_s=360e9, latency_s=0.1e-3)
+RDMA200 = HostLink("rdma200", bytes_per_s=22.5e9, latency_s=0.5e-3)
+RDMA400 = HostLink("rdma400", bytes_per_s=45e9, latency_s=0.5e-3)
+TCP = HostLink("tcp", bytes_per_s=3e9, latency_s=1e-3)
+PEER_LINKS: dict[str, HostLink] = {link.name: link for link in (NVLINK, RDMA200, RDMA400, TCP)}
+
+
+def get_peer_link(name: str) -> HostLink:
+    """A named link between replicas, or a usable bandwidth in GB/s (``"10"``)."""
+    if name in PEER_LINKS:
+        return PEER_LINKS[name]
+    try:
+        return get_link(name)
+    except ValueError:
+        known = ", ".join(PEER_LINKS)
+        raise ValueError(f"unknown peer link {name!r}; known: {known}, or GB/s") from None
 
 
 def get_link(name: str) -> HostLink:
@@ -196,6 +223,11 @@ class CostProfile:
         """Seconds to copy ``tokens`` of KV from host memory to the GPUs."""
         link = link or self.host_link
         return link.copy_time(tokens * self.kv_bytes_per_token / self.num_gpus, transfers)
+
+    def transfer_time(self, tokens: int, link: HostLink) -> float:
+        """Seconds to pull ``tokens`` of KV from a peer over ``link`` (one pull; each
+        GPU of a tensor-parallel group pulls its shard over its own link)."""
+        return link.copy_time(tokens * self.kv_bytes_per_token / self.num_gpus) if tokens else 0.0
 
     def prefill_time(self, computed: int, tokens: int) -> float:
         """Seconds to prefill ``tokens`` after ``computed`` ones, alone in a step."""
