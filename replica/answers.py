@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,8 @@ class AnswerSpec:
     include_usage: bool = False
     #: A completion's ``echo``: each prompt's text, written before its choices' text.
     echoes: Sequence[str] = ()
+    #: Fields a whole answer carries beside its choices (``kv_transfer_params``).
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -206,7 +208,8 @@ class Answer:
             else:
                 entry = {"index": choice.index, "text": choice.text}
             choices.append({**entry, "logprobs": logprobs, "finish_reason": choice.finish_reason})
-        return {**self._head(self.spec.kind), "choices": choices, "usage": self.usage()}
+        body = {**self._head(self.spec.kind), "choices": choices, "usage": self.usage()}
+        return {**body, **self.spec.extra}
 
     def _usage_chunk(self) -> dict[str, Any]:
         kind = self.spec.kind + (".chunk" if self.spec.chat else "")

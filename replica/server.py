@@ -67,14 +67,29 @@ async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
 @routes.post("/v1/completions")
 async def completions(body: api.CompletionRequest, request: Request) -> Response:
     replica = _replica(request)
-    return await replica.answer(body, body.prompts(replica.engine.tokenizer))
+    return await replica.answer(body, body.prompts(replica.engine.tokenizer), str(request.base_url))
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
     replica = _replica(request)
     prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages())
-    return await replica.answer(body, [prompt])
+    return await replica.answer(body, [prompt], str(request.base_url))
+
+
+class LendRequest(BaseModel):
+    """A peer's ask (replica/peers.py): pin the blocks held for ``lease_id``, else the
+    leading ``block_hashes`` this replica holds, for ``hold_s`` engine seconds."""
+
+    lease_id: str = Field(min_length=1, max_length=256)
+    block_hashes: list[int] = Field(default_factory=list, max_length=1_000_000)
+    hold_s: float = Field(ge=0, le=3600)
+
+
+@routes.post("/kv/lend")
+async def lend(ask: LendRequest, request: Request) -> dict[str, int]:
+    """How many blocks this replica lends the asking peer to pull (0: none)."""
+    return {"blocks": _replica(request).lend(ask.lease_id, ask.block_hashes, ask.hold_s)}
 
 
 @routes.post("/tokenize")

@@ -9,22 +9,28 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TypeGuard
 
 import numpy as np
 import xxhash
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from replica import peers
 from replica.answers import Answer, AnswerSpec, ChoiceOutputs
 from replica.api import openai as api
 from replica.api.config import ReplicaConfig
+from replica.api.identity import block_hashes, identity_seed
 from replica.api.kv_events import KVEventPage
 from replica.api.model_tokenizer import load_tokenizer
-from replica.api.stats import CacheFigures, LoadReport, ReplicaStats
+from replica.api.stats import CacheFigures, LoadReport, ReplicaStats, TransferFigures
 from replica.engine import Engine, EngineConfig, EngineDead, EngineRequest, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
 from replica.metrics import ReplicaMetrics
+
+#: Engine seconds a peer holds lent blocks beyond the pull's predicted end.
+PULL_MARGIN_S = 1.0
 
 
 class Replica:
@@ -39,12 +45,18 @@ class Replica:
         self.publisher: KVPublisher | None = None
         self.requests = 0  # accepted since the last reset
         self.errors = 0  # refused since the last reset
+        self.peers = peers.Peers()
+        self.pull_fallbacks = 0
 
     async def answer(
-        self, body: api.CompletionRequest | api.ChatCompletionRequest, prompts: list[np.ndarray]
+        self,
+        body: api.CompletionRequest | api.ChatCompletionRequest,
+        prompts: list[np.ndarray],
+        base_url: str = "",
     ) -> Response:
         """Queue one engine request per choice (``n`` for each prompt) and answer as they
-        run; 400 if one can never fit.
+        run; 400 if one can never fit. ``base_url``: where the caller reached this
+        replica (a prefill for a remote decode names it to its decode replica).
 
         A whole (non-streamed) answer's headers wait until every choice has its first
         token, so a router in front learns when the prefill ended, as a stream's first
@@ -53,7 +65,20 @@ class Replica:
         lora = self._adapter(body.model)
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
+        transfer = peers.parse(body.kv_transfer_params)
+        if transfer is not None and len(prompts) * body.n != 1:
+            raise api.Rejected("kv_transfer_params take one prompt and n=1", 400, "n")
+        if isinstance(transfer, peers.RemoteDecode) and body.stream:
+            raise api.Rejected("do_remote_decode takes a whole answer (stream false)", 400)
         requests = self._engine_requests(request_id, body, prompts, lora)
+        extra: dict[str, object] = {}
+        if isinstance(transfer, peers.RemoteDecode):
+            requests = [replace(requests[0], hold_s=self.config.kv_hold_s)]
+            blocks = len(prompts[0]) // self.config.block_size
+            extra["kv_transfer_params"] = peers.prefill_params(base_url, request_id, blocks)
+        elif isinstance(transfer, peers.RemotePrefill):
+            lent = await self._borrow(transfer, requests[0])
+            requests = [replace(requests[0], pull_tokens=lent)]
         try:
             streams = self._submit(requests)
         except ValueError as error:
@@ -78,6 +103,7 @@ class Replica:
             _logprobs(body),
             body.include_usage,
             echoes,
+            extra,
         )
         answer, outputs = Answer(spec, self.engine.tokenizer, first_token), ChoiceOutputs(streams)
         if body.stream:
@@ -88,6 +114,31 @@ class Replica:
             await outputs.aclose()
             raise api.Rejected(str(dead), 500) from None
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
+
+    async def _borrow(self, transfer: peers.RemotePrefill, request: EngineRequest) -> int:
+        """The leading prompt tokens the peer lends ``request`` to pull (0: it computes
+        them itself, a fallback if the peer was asked for any)."""
+        size = self.config.block_size
+        prompt = request.prompt_token_ids
+        wanted = (len(prompt) - 1) // size  # the last token is computed here
+        if transfer.pull_tokens is not None:
+            wanted = min(wanted, transfer.pull_tokens // size)
+        if wanted <= 0:
+            return 0
+        lease_id, hashes = transfer.lease_id, []
+        if lease_id is None:  # a peer pull: the leading blocks the peer holds of the prompt
+            seed = identity_seed(request.lora or self.config.model, request.cache_salt)
+            lease_id = f"{request.request_id}/pull"
+            hashes = block_hashes(prompt[: wanted * size], size, seed)
+        now = self.loop.catch_up()
+        hold_s = self.engine.pull_would_end_s(wanted * size) - now + PULL_MARGIN_S
+        lent = min(await self.peers.lend(transfer, lease_id, hashes, hold_s), wanted)
+        self.pull_fallbacks += lent < wanted
+        return lent * size
+
+    def lend(self, lease_id: str, block_hashes: list[int], hold_s: float) -> int:
+        """Pin blocks for a peer's pull (``POST /kv/lend``), for ``hold_s`` of engine time."""
+        return self.engine.lend(lease_id, block_hashes, self.loop.catch_up() + hold_s)
 
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (``None``: the base model), as
@@ -173,6 +224,7 @@ class Replica:
 
     async def stop(self) -> None:
         await self.loop.stop()
+        await self.peers.close()
         if self.publisher is not None:
             self.publisher.stop()
 
@@ -225,6 +277,18 @@ class Replica:
             adapters=tuple(sorted(engine.adapters.registered)),
             resident_adapters=engine.adapters.resident,
             adapter_loads=engine.adapters.loads,
+            transfers=self._transfer_figures(),
+        )
+
+    def _transfer_figures(self) -> TransferFigures:
+        moved = self.engine.transfers
+        return TransferFigures(
+            moved.pulls,
+            moved.pulled_tokens,
+            moved.pull_s,
+            moved.lent_blocks,
+            moved.hold_timeouts,
+            self.pull_fallbacks,
         )
 
     def _cache_figures(self) -> CacheFigures:

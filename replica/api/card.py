@@ -41,6 +41,8 @@ class EngineCard:
     #: Leaving the fleet (a scale-in): gateways send it nothing new, and it stops once
     #: the requests it holds have ended (deploy/scaler.py).
     draining: bool = False
+    #: What it does in a disaggregated fleet: ``both``, ``prefill`` or ``decode``.
+    role: str = "both"
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
@@ -56,6 +58,7 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
         stats.kv_events,
         stats.pid,
         tuple(stats.adapters),
+        role=config.role,
     )
 
 

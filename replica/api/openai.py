@@ -66,6 +66,10 @@ class _Sampling(BaseModel):
     #: Token id (as text) to a bias added to its logit, clamped to [-100, 100] as vLLM
     #: clamps it.
     logit_bias: dict[str, float] | None = None
+    #: vLLM's P/D protocol (its NIXL connector's shape): ``do_remote_decode`` to prefill
+    #: for a decode replica, ``do_remote_prefill`` and the peer to pull from
+    #: (replica/peers.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:

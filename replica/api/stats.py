@@ -49,6 +49,22 @@ class CacheFigures:
 
 
 @dataclass(frozen=True)
+class TransferFigures:
+    """KV that moved since the replica started: pulled in (from a peer or a prefill
+    replica), lent out, and what failed (replica/kv_transfer.py, replica/peers.py)."""
+
+    pulls: int = 0
+    pulled_tokens: int = 0
+    #: Seconds its link was busy pulling (simulated).
+    pull_s: float = 0.0
+    lent_blocks: int = 0
+    #: Holds that ended before any decode replica pulled them.
+    hold_timeouts: int = 0
+    #: Pulls the peer could not serve (gone, evicted, unreachable): computed here instead.
+    pull_fallbacks: int = 0
+
+
+@dataclass(frozen=True)
 class KVEventsEndpoint:
     """Where a replica publishes its KV events and load (ZMQ, as vLLM's publisher)."""
 
@@ -110,6 +126,7 @@ class ReplicaStats:
     adapters: tuple[str, ...] = ()
     resident_adapters: tuple[str, ...] = ()
     adapter_loads: int = 0
+    transfers: TransferFigures = TransferFigures()
 
 
 def encode(value: Any) -> dict[str, Any]:
