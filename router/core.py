@@ -48,6 +48,8 @@ class ReplicaState:
     #: not said; see router/fleet/models.py).
     model: str | None = None
     adapters: frozenset[str] = frozenset()
+    #: What it does in a disaggregated fleet: ``both``, ``prefill`` or ``decode``.
+    role: str = "both"
     #: The adapters in its GPU slots, and how many slots another could take now, as it
     #: last said (``None``: not said).
     loaded_adapters: tuple[str, ...] | None = None
@@ -102,7 +104,34 @@ class RoutingRequest:
     #: The identity of its first stride of blocks (``replica.api.identity.affinity_key``):
     #: what rendezvous hashing spreads it by when it is cached nowhere.
     affinity: int | None = field(default=None, repr=False)
+    #: How its KV reaches the replica chosen for it when not computed there, as the
+    #: policy planned it (``None``: computed where it runs).
+    kv: KVPlan | None = None
 
     @property
     def predicted_uncached_tokens(self) -> int:
         return self.num_prompt_tokens - (self.predicted_cached_tokens or 0)
+
+
+@dataclass(frozen=True, eq=False)
+class KVPlan:
+    """How a request's KV reaches the replica that decodes it: its prompt prefilled on
+    ``prefill`` and pulled from there (disaggregated), or its leading ``pull_tokens``
+    pulled from ``pull_from``, a peer that holds them, and the rest computed."""
+
+    prefill: ReplicaState | None = None
+    pull_from: ReplicaState | None = None
+    pull_tokens: int = 0
+
+    @property
+    def path(self) -> str:
+        """``disaggregated`` or ``pulled``."""
+        return "disaggregated" if self.prefill is not None else "pulled"
+
+
+def can_prefill(replica: ReplicaState) -> bool:
+    return replica.role != "decode"
+
+
+def can_decode(replica: ReplicaState) -> bool:
+    return replica.role != "prefill"

@@ -45,6 +45,9 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    #: Whether it splits requests into a prefill and a decode leg (``request.kv``'s
+    #: ``prefill``: router/policies/disaggregated.py), and so reads replicas' roles.
+    disaggregates: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.config = config

@@ -13,6 +13,7 @@ from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig, PrefixPopularity
 from router.policies.baselines import rendezvous, rendezvous_key
 from router.policies.indexed import IndexedPolicy
+from router.policies.kv_moves import KVMoves
 from router.policies.load_order import Load, LoadOrder
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class CacheAware(IndexedPolicy):
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.popularity = PrefixPopularity()
         self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
+        self.moves = KVMoves(config.kv, config.ttft.cost_profile)
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
@@ -135,6 +137,8 @@ class CacheAware(IndexedPolicy):
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
             chosen.replica_id, 0
         )
+        if self.config.kv.peer_pulls and not host.get(chosen.replica_id):
+            self.moves.plan_pull(request, chosen, matched, self.order.states)
         return chosen
 
     def _choose_in_fleet(

@@ -30,6 +30,8 @@ from router.policies.cache_aware import (
     CacheAwareTierBlind,
 )
 from router.policies.cache_aware_ttft import CacheAwareTTFT, TTFTConfig
+from router.policies.disaggregated import PDAlways, PDBlind, PDConditional
+from router.policies.kv_moves import KVConfig
 from router.policies.replicated import CacheAwareReplicated, ReplicationConfig
 from router.policies.sglang import SGLangCacheAware, SGLangConfig
 
@@ -48,6 +50,9 @@ POLICIES: dict[str, type[Policy]] = {
         CacheAwareApproximate,
         CacheAwareTTFT,
         CacheAwareReplicated,
+        PDBlind,
+        PDAlways,
+        PDConditional,
     )
 }
 
@@ -80,6 +85,7 @@ class PolicyConfig:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     ttft: TTFTConfig = field(default_factory=TTFTConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
 
     @classmethod
     def of(cls, **knobs: Any) -> PolicyConfig:
