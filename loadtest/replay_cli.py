@@ -65,7 +65,25 @@ SWEEPABLE = {
     "capacity": "capacity_blocks",
     "routers": "routers",
     "fairness": "fairness",
+    "pd": "pd",
 }
+#: The figures P/D exists for, printed when a row disaggregated or pulled.
+KV_KEYS = (
+    "label",
+    "pd",
+    "goodput_rps",
+    "slo_attainment",
+    "token_hit_rate",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "disaggregated_share",
+    "pulled_share",
+    "pulls_per_second",
+    "pulled_gb",
+    "pull_fallbacks",
+)
 
 FLEET_KEYS = (
     "label",
@@ -92,8 +110,10 @@ TABLE_KEYS = (
     "ttft_p50_s",
     "ttft_p90_s",
     "ttft_p99_s",
+    "itl_p99_s",
     "e2e_p50_s",
     "throughput_rps",
+    "goodput_rps",
     "imbalance",
     "prediction_accuracy",
 )
@@ -141,8 +161,9 @@ class ReplayOptions:
     sweep: str | None = field(
         default=None,
         metadata=helped(
-            "rows for several values of replicas, capacity, routers or fairness, "
-            "e.g. replicas=1,2,4,8 or fairness=fcfs,vtc,prefill",
+            "rows for several values of replicas, capacity, routers, fairness or pd (a "
+            "prefill:decode split), e.g. replicas=1,2,4,8, fairness=fcfs,vtc,prefill or "
+            "pd=0:0,2:6,4:4 (0:0: every replica does both)",
             metavar="NAME=V1,V2,...",
         ),
     )
@@ -204,9 +225,10 @@ def _sweep(args: argparse.Namespace) -> tuple[str | None, list[int] | list[str]]
     name, _, values = spec.partition("=")
     if name not in SWEEPABLE:
         raise ValueError(
-            f"--sweep takes replicas=..., capacity=..., routers=... or fairness=..., got {spec!r}"
+            "--sweep takes replicas=..., capacity=..., routers=..., fairness=... or pd=..., "
+            f"got {spec!r}"
         )
-    if name == "fairness":  # checked by ReplayConfig
+    if name in ("fairness", "pd"):  # checked by ReplayConfig
         return SWEEPABLE[name], [v for v in values.split(",") if v]
     try:
         return SWEEPABLE[name], [int(v) for v in values.split(",") if v]
@@ -219,9 +241,21 @@ def _configs(args: argparse.Namespace) -> tuple[str | None, list[ReplayConfig]]:
     key, values = _sweep(args)
     if key is None:
         return None, [base]
+    if key == "pd":
+        return key, [_split(base, str(value)) for value in values]
     return key, [
         dataclasses.replace(base, **cast(dict[str, Any], {key: value})) for value in values
     ]
+
+
+def _split(base: ReplayConfig, split: str) -> ReplayConfig:
+    """``base`` with the P/D split ``P:D``."""
+    prefill, colon, decode = split.partition(":")
+    if not (colon and prefill.isdigit() and decode.isdigit()):
+        raise ValueError(f"--sweep pd= takes splits P:D (e.g. 2:6), got {split!r}")
+    if not int(prefill) + int(decode):  # 0:0, the aggregated fleet of --replicas
+        return dataclasses.replace(base, prefill=0, decode=0)
+    return dataclasses.replace(base, prefill=int(prefill), decode=int(decode))
 
 
 def _build_workloads(args: argparse.Namespace, sizes: list[int]) -> None:
@@ -312,6 +346,9 @@ def _print_tables(rows: list[Row]) -> None:
     """The table of rows, then those of what some rows hold: models, hot prefixes, the
     fleet's size, tenants."""
     print(format_table(rows, TABLE_KEYS))
+    if any(row.get("pd", "0:0") != "0:0" or row.get("pulls") for row in rows):
+        print("\nKV that moved (goodput: TTFT and ITL p99 within the --slo-* objectives):")
+        print(format_table([r for r in rows if "pulls" in r], KV_KEYS))
     if any(row.get("models") for row in rows):
         print("\nper model (or adapter) named:")
         print(format_table(model_rows(rows), MODEL_KEYS))

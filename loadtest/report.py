@@ -51,8 +51,9 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
     ttfts = ttft_values(result)
     e2e = [r.finish_s - r.arrival_s for r in done if r.finish_s is not None]
     stats = [engine.cache_stats for engine in result.engines]
-    query_tokens = sum(s.query_tokens for s in stats)
-    hit_tokens = sum(s.hit_tokens for s in stats)
+    # per request, not per engine: a disaggregated request queries two engines
+    query_tokens = sum(r.prompt_tokens for r in done)
+    hit_tokens = sum(r.cached_tokens for r in done)
     query_blocks = sum(s.query_blocks for s in stats)
     dispatched = np.array(result.dispatched or [0])
     return {
@@ -77,6 +78,8 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "prediction_accuracy": replay_prediction_accuracy(
             done, result.config.routing.stride_tokens
         ),
+        **latency_figures(done, result),
+        **transfer_figures(records, result),
         "prefill_tokens_computed": sum(int(e.prefill_tokens_computed) for e in result.engines),
         "prefill_tokens_saved": hit_tokens,
         **tier_figures(
@@ -98,6 +101,68 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         **adapter_figures(result),
         "models": model_figures(done),
         **tenant_figures(records),
+    }
+
+
+def latency_figures(done: Sequence[RequestRecord], result: ReplayResult) -> Row:
+    """Inter-token latency over every token, and the goodput: the requests a second
+    that met both objectives (their TTFT, and the 99th percentile of their own ITL)."""
+    gaps = [gap for r in done for gap in r.token_gaps]
+    values, weights = [g for g, _ in gaps], [n for _, n in gaps]
+    config = result.config
+    good = sum(
+        r.first_token_s is not None
+        and r.first_token_s - r.arrival_s <= config.slo_ttft_s
+        and _itl_p99(r) <= config.slo_itl_s
+        for r in done
+    )
+    duration = result.duration_s
+    return {
+        "itl_p50_s": weighted_percentile(values, weights, 50),
+        "itl_p99_s": weighted_percentile(values, weights, 99),
+        "goodput_rps": good / duration if duration else None,
+        "slo_attainment": good / len(done) if done else None,
+    }
+
+
+def _itl_p99(record: RequestRecord) -> float:
+    """The 99th percentile of one request's inter-token latencies (0: one token)."""
+    gaps = record.token_gaps
+    return weighted_percentile([g for g, _ in gaps], [n for _, n in gaps], 99) or 0.0
+
+
+def weighted_percentile(
+    values: Sequence[float], weights: Sequence[int] = (), q: float = 50
+) -> float | None:
+    """The ``q``-th percentile of ``values``, each counted ``weights`` times (the
+    lower value at a boundary, as for tokens); ``None`` for no values."""
+    if not len(values):
+        return None
+    order = np.argsort(values)
+    cumulative = np.cumsum(np.asarray(weights, dtype=float)[order])
+    at = np.searchsorted(cumulative, q / 100 * cumulative[-1])
+    return float(np.asarray(values)[order][min(at, len(values) - 1)])
+
+
+def transfer_figures(records: Sequence[RequestRecord], result: ReplayResult) -> Row:
+    """KV that moved: the share of requests disaggregated or pulled, the pulls that fell
+    back, and the pulls' count, bytes and link seconds."""
+    transfers = [engine.transfers for engine in result.engines]
+    pulls = sum(t.pulls for t in transfers)
+    kv_bytes = result.engines[0].cost.kv_bytes_per_token if result.engines else 0
+    duration, count = result.duration_s, len(records)
+    return {
+        "pd": result.config.pd,
+        "disaggregated_share": sum(r.path == "disaggregated" for r in records) / count
+        if count
+        else None,
+        "pulled_share": sum(r.path == "pulled" for r in records) / count if count else None,
+        "pull_fallbacks": sum(r.pull_fallback for r in records),
+        "pulls": pulls,
+        "pulls_per_second": pulls / duration if duration else None,
+        "pulled_gb": sum(t.pulled_tokens for t in transfers) * kv_bytes / 1e9,
+        "pull_s": sum(t.pull_s for t in transfers),
+        "hold_timeouts": sum(t.hold_timeouts for t in transfers),
     }
 
 
@@ -332,7 +397,8 @@ def _cell(value: Any, key: str) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if key.endswith("_rate") or key in ("prediction_accuracy", "cpu_busy", "cpu_busy_peak"):
+        percent = ("prediction_accuracy", "cpu_busy", "cpu_busy_peak", "slo_attainment")
+        if key.endswith(("_rate", "_share")) or key in percent:
             return f"{value:.1%}"
         if key.endswith("_s"):
             return f"{value * 1000:.0f}ms" if value < 10 else f"{value:.1f}s"

@@ -71,10 +71,31 @@ class ReplayConfig:
     #: of ``replicas``.
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     replica_startup_s: float = 30.0
+    #: A disaggregated fleet: ``prefill`` replicas that prefill and ``decode`` ones that
+    #: decode (both 0: every replica does both); either set, ``replicas`` is their sum.
+    #: The P/D policies (``pd_*``) read the roles, the others route to every replica.
+    prefill: int = 0
+    decode: int = 0
+    #: Seconds a prefill replica holds a prompt's blocks for the decode replica's pull.
+    kv_hold_s: float = 30.0
+    #: What a request must meet to count in the goodput: its time to first token, and
+    #: the 99th percentile of its inter-token latencies (DistServe's per-request SLOs;
+    #: 2 s and 100 ms: a chat's first words within two seconds, streamed faster than
+    #: people read).
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.fleet:
             object.__setattr__(self, "replicas", len(self.replica_models))
+        if self.prefill < 0 or self.decode < 0:
+            raise ValueError("prefill and decode must not be negative")
+        if self.prefill or self.decode:
+            if self.fleet or not self.autoscale.fixed:
+                raise ValueError("a P/D fleet (prefill, decode) serves one model, fixed in size")
+            object.__setattr__(self, "replicas", self.prefill + self.decode)
+        if self.kv_hold_s < 0 or self.slo_ttft_s <= 0 or self.slo_itl_s <= 0:
+            raise ValueError("kv_hold_s must not be negative, the SLOs must be positive")
         if self.replicas < 1:
             raise ValueError(f"replicas must be positive, got {self.replicas}")
         if self.routers < 1 or self.event_delay_s < 0:
@@ -111,6 +132,18 @@ class ReplayConfig:
         return _replica_models(self.fleet) if self.fleet else [self.model] * self.replicas
 
     @property
+    def roles(self) -> list[str]:
+        """What each replica does: ``prefill``, ``decode`` or ``both``."""
+        if not (self.prefill or self.decode):
+            return ["both"] * self.replicas
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
+
+    @property
+    def pd(self) -> str:
+        """The P/D split, ``P:D`` (``0:0``: every replica does both)."""
+        return f"{self.prefill}:{self.decode}"
+
+    @property
     def block_size(self) -> int:
         """The engines' block size, which the router hashes by: one figure for both."""
         return self.routing.block_size
@@ -138,6 +171,7 @@ class ReplayConfig:
             lora_modules=adapters,
             max_loras=self.max_loras,
             compute_scale=self.compute_scale,
+            peer_link=self.routing.kv.peer_link,
         )
 
     def resolved(self) -> ReplayConfig:
@@ -161,6 +195,8 @@ class ReplayConfig:
             routers=1,
             event_delay_s=0.0,
             autoscale=AutoscaleConfig(),
+            prefill=0,
+            decode=0,
         )
 
 

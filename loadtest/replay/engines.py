@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from loadtest.replay.events import EventQueue, PlannedBurst, StepEnds
+from loadtest.replay.events import EventQueue, PlannedBurst, PullEnds, StepEnds
 from replica.engine import Burst, Engine, EngineRequest, StepResult
 
 
@@ -48,7 +48,10 @@ class EngineSteps:
     def submit(self, index: int, request: EngineRequest) -> None:
         """Queue ``request`` on engine ``index`` (raises ``ValueError`` if it cannot
         take it); :meth:`wake` then sets the engine going."""
-        self.engines[index].add_request(request)
+        engine = self.engines[index]
+        if not self._stepping[index]:  # an idle engine's clock catches up first
+            engine.advance_to(self._events.now)
+        engine.add_request(request, self._events.now)
 
     def wake(self, index: int) -> None:
         """Work joined engine ``index``: an idle engine steps now, one in a burst stops
@@ -70,6 +73,8 @@ class EngineSteps:
         self._stepping[index] = bool(result.duration_s)
         if result.duration_s:
             self._events.schedule(engine.now, StepEnds(index, result))
+        elif (pull_ends := engine.next_pull_s) is not None:  # only pulls: idle till one ends
+            self._events.schedule(pull_ends, PullEnds(index))
         elif engine.has_unfinished:
             raise RuntimeError(f"engine {index} has requests but scheduled nothing")
 

@@ -34,6 +34,12 @@ class StepEnds(NamedTuple):
     ended: StepResult | PlannedBurst
 
 
+class PullEnds(NamedTuple):
+    """A pull into engine ``engine`` ends: its request may join the batch."""
+
+    engine: int
+
+
 class Delivery(NamedTuple):
     """Engine ``engine``'s KV events or load report, reaching every router."""
 
@@ -45,7 +51,7 @@ class Tick(NamedTuple):
     """The autoscaler's turn to look at the fleet."""
 
 
-Event = TurnArrives | StepEnds | Delivery | Tick
+Event = TurnArrives | StepEnds | PullEnds | Delivery | Tick
 TICK = Tick()
 
 
@@ -68,6 +74,7 @@ class EventQueue:
         self._heap_of = {
             TurnArrives: self._arrivals,
             StepEnds: self._step_ends,
+            PullEnds: self._step_ends,
             Delivery: self._deliveries,
         }
 
@@ -75,7 +82,7 @@ class EventQueue:
         """The virtual time, as the policies, fair shares and autoscaler read it."""
         return self.now
 
-    def schedule(self, time: float, event: TurnArrives | StepEnds | Delivery) -> None:
+    def schedule(self, time: float, event: TurnArrives | StepEnds | PullEnds | Delivery) -> None:
         self._order += 1
         heapq.heappush(self._heap_of[type(event)], (time, self._order, event))
 

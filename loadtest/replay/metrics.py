@@ -55,9 +55,15 @@ class Metrics:
         first = record.first_token_s is None
         if first:
             record.first_token_s = now + self._request_s
+        else:
+            assert record.last_token_s is not None
+            count = len(output.new_token_ids)
+            record.token_gaps.append(((now - record.last_token_s) / count, count))
+        record.last_token_s = now
         if output.finished:
             record.finish_s = now + self._request_s
-            record.cached_tokens = output.num_cached_tokens
+            if record.path != "disaggregated":  # else its prefill leg's, set then
+                record.cached_tokens = output.num_cached_tokens
             record.output_tokens = output.num_output_tokens
         return first
 

@@ -32,6 +32,19 @@ class RequestRecord:
     tenant: str | None = None
     priority: int = 0
     dispatched_s: float = 0.0
+    #: How its KV got to ``replica``: ``local`` (computed there), ``disaggregated``
+    #: (prefilled on ``prefill_replica``, its first token there at ``prefilled_s``,
+    #: then pulled) or ``pulled`` (its prefix pulled from a peer). ``cached_tokens`` are
+    #: those its prefill found cached (a peer's pulled prefix among them); a pull that
+    #: found less than planned (evicted, timed out) computed the rest: a fallback.
+    path: str = "local"
+    prefill_replica: int | None = None
+    prefilled_s: float | None = None
+    pull_fallback: bool = False
+    #: Its inter-token latencies as (seconds, tokens) pairs: the tokens of a decode
+    #: burst share its mean iteration.
+    token_gaps: list[tuple[float, int]] = field(default_factory=list)
+    last_token_s: float | None = None
 
 
 @dataclass

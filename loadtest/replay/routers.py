@@ -65,8 +65,9 @@ class Routers:
                 config.capacity_blocks or 0,
                 model=engine.config.model,
                 adapters=frozenset(engine.config.lora_modules),
+                role=role,
             )
-            for i, engine in enumerate(engines)
+            for i, (engine, role) in enumerate(zip(engines, config.roles, strict=True))
         ]
         for state in states:
             routes.added(state)

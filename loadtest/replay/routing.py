@@ -69,20 +69,26 @@ class Router:
         within its tenant's cache budget, if any is)."""
         policy = self.policy(request)
         allowed = within_budget(policy, request.routing, candidates, (salt,))
+        request.routing.kv = None  # the policy plans it anew
         return self.states.index(policy.choose(request.routing, allowed))
 
-    def dispatched(self, request: TurnRequest, index: int) -> None:
+    def dispatched(self, request: TurnRequest, index: int, leg: bool = False) -> None:
+        """``request`` (or, ``leg``, its prefill leg) went to engine ``index``."""
         replica = self.states[index]
         load.dispatched(self.policy(request), request.routing, replica, now=self._clock())
-        self.fair_share.dispatched(request.routing)
+        if not leg:
+            self.fair_share.dispatched(request.routing)
 
     def prefilled(self, request: TurnRequest, index: int) -> None:
         load.prefilled(request.routing, self.states[index])
 
-    def completed(self, request: TurnRequest, index: int, output: RequestOutput) -> None:
+    def completed(
+        self, request: TurnRequest, index: int, output: RequestOutput, leg: bool = False
+    ) -> None:
         cached = output.num_cached_tokens
         load.completed(self.policy(request), request.routing, self.states[index], cached)
-        self.fair_share.ended(request.routing, cached, output.num_output_tokens)
+        if not leg:
+            self.fair_share.ended(request.routing, cached, output.num_output_tokens)
 
     def _free(self, request: TurnRequest, routable: list[int] | None) -> list[ReplicaState]:
         """The replicas that serve ``request`` with a slot free for it."""

@@ -19,6 +19,7 @@ from loadtest.replay.events import (
     Delivery,
     EventQueue,
     PlannedBurst,
+    PullEnds,
     StepEnds,
     Tick,
     TurnArrives,
@@ -29,9 +30,10 @@ from loadtest.replay.request import TurnRequest
 from loadtest.replay.result import ReplayResult
 from loadtest.replay.routers import Routers
 from loadtest.replay.scaling import Scaling
-from loadtest.workloads import Workload
+from loadtest.workloads import Session, Workload
+from replica.api.identity import block_hashes, identity_seed
 from replica.engine import Engine, EngineRequest, RequestOutput, StepResult
-from router.core import ReplicaState
+from router.core import KVPlan, ReplicaState
 
 
 class Simulation:
@@ -66,6 +68,8 @@ class Simulation:
         self.sessions = _Sessions(workload, self.events, request_s)
         self._on_request_done = on_request_done or (lambda: None)
         self._in_flight: dict[str, TurnRequest] = {}
+        #: Prefill legs in flight (disaggregated requests), by their engine request id.
+        self._prefills: dict[str, TurnRequest] = {}
 
     def run(self) -> ReplayResult:
         self.sessions.start()
@@ -77,6 +81,8 @@ class Simulation:
                     self.reports.deliver(engine, payload)
                 case StepEnds(engine, ended):
                     self._step_ended(engine, ended)
+                case PullEnds(engine):
+                    self.engines.wake(engine)
                 case TurnArrives(session, turn):
                     self._arrive(session, turn)
         return self._result()
@@ -100,10 +106,32 @@ class Simulation:
 
     def _dispatch(self, request: TurnRequest, candidates: list[ReplicaState]) -> None:
         session = self.workload.sessions[request.session]
-        turn = session.turns[request.turn]
         router = self.routers[request.router]
         index = router.choose(request, candidates, session.cache_salt)
         record = self.metrics.dispatched(request, index, session, self.events.now)
+        plan = request.routing.kv
+        if plan is not None and plan.prefill is not None:
+            record.path, record.prefill_replica = plan.path, router.states.index(plan.prefill)
+            self._send_prefill(request, session, record.prefill_replica)
+            return
+        if plan is not None and plan.pull_from is not None:
+            source = router.states.index(plan.pull_from)
+            self._send(request, session, index, self._pull(request, session, source, plan), source)
+            return
+        self._send(request, session, index)
+
+    def _send(
+        self,
+        request: TurnRequest,
+        session: Session,
+        index: int,
+        pull: int = 0,
+        source: int | None = None,
+    ) -> None:
+        """Queue the request (its decode leg, if disaggregated) on engine ``index``,
+        with ``pull`` leading tokens to pull from engine ``source`` first."""
+        record = self.metrics.records[request.request_id]
+        turn = session.turns[request.turn]
         try:
             engine_request = EngineRequest(
                 request.request_id,
@@ -112,6 +140,7 @@ class Simulation:
                 ignore_eos=True,
                 cache_salt=session.cache_salt,
                 lora=session.adapter,
+                pull_tokens=pull,
             )
             self.engines.submit(index, engine_request)
         except ValueError as error:
@@ -119,8 +148,69 @@ class Simulation:
             self._finish(request)
             return
         self._in_flight[request.request_id] = request
-        router.dispatched(request, index)
+        self.routers[request.router].dispatched(request, index)
+        if source is not None:  # the lender unpins the blocks once the pull has read them
+            ends = self.engines[index].pull_end_s(request.request_id) or self.events.now
+            self.engines[source].lend(self._lease_id(request, source), [], ends)
         self.engines.wake(index)
+
+    def _lease_id(self, request: TurnRequest, source: int) -> str:
+        record = self.metrics.records[request.request_id]
+        suffix = "prefill" if record.prefill_replica == source else "pull"
+        return f"{request.request_id}/{suffix}"
+
+    def _send_prefill(self, request: TurnRequest, session: Session, index: int) -> None:
+        """A disaggregated request's prefill leg: its first token on engine ``index``,
+        its prompt's blocks held there for the decode replica (vLLM's
+        ``do_remote_decode``)."""
+        leg = EngineRequest(
+            f"{request.request_id}/prefill",
+            request.prompt,
+            1,
+            ignore_eos=True,
+            cache_salt=session.cache_salt,
+            lora=session.adapter,
+            hold_s=self.config.kv_hold_s,
+        )
+        try:
+            self.engines.submit(index, leg)
+        except ValueError as error:
+            self.metrics.records[request.request_id].error = str(error)
+            self._finish(request)
+            return
+        self._prefills[leg.request_id] = request
+        self.routers[request.router].dispatched(request, index, leg=True)
+        self.engines.wake(index)
+
+    def _prefill_done(self, index: int, output: RequestOutput) -> None:
+        """A prefill leg's first token: its decode leg goes, to pull what it held."""
+        request = self._prefills.pop(output.request_id)
+        session = self.workload.sessions[request.session]
+        record = self.metrics.records[request.request_id]
+        record.prefilled_s, record.cached_tokens = self.events.now, output.num_cached_tokens
+        self.routers[request.router].completed(request, index, output, leg=True)
+        block = self.config.block_size
+        full = (len(request.prompt) - 1) // block * block
+        request.routing.predicted_cached_tokens = full  # the decode replica pulls them
+        lent = self._lend(index, output.request_id, [])
+        record.pull_fallback = lent * block < full  # the hold timed out, say
+        self._send(request, session, record.replica, lent * block, index)
+
+    def _pull(self, request: TurnRequest, session: Session, source: int, plan: KVPlan) -> int:
+        """Tokens engine ``source`` lends the request to pull, as planned."""
+        record = self.metrics.records[request.request_id]
+        seed = identity_seed(session.served_name or self.config.model, session.cache_salt)
+        hashes = block_hashes(request.prompt[: plan.pull_tokens], self.config.block_size, seed)
+        lent = self._lend(source, f"{request.request_id}/pull", hashes)
+        record.path = plan.path
+        record.pull_fallback = lent < len(hashes)  # evicted since the router last heard
+        return lent * self.config.block_size
+
+    def _lend(self, source: int, lease_id: str, hashes: list[int]) -> int:
+        """Blocks engine ``source`` lends under ``lease_id``, pinned for the hold time
+        (until the pull's end, once the receiver has timed it: :meth:`_send`)."""
+        engine = self.engines[source]
+        return engine.lend(lease_id, hashes, self.events.now + self.config.kv_hold_s)
 
     def _step_ended(self, index: int, ended: StepResult | PlannedBurst) -> None:
         result = self.engines.ended(index, ended)
@@ -141,6 +231,9 @@ class Simulation:
 
     def _produced(self, index: int, output: RequestOutput) -> TurnRequest | None:
         """A request's tokens came out of engine ``index``; the request, if it ended."""
+        if output.request_id in self._prefills:
+            self._prefill_done(index, output)
+            return None
         request = self._in_flight[output.request_id]
         router = self.routers[request.router]
         if self.metrics.produced(output, self.events.now):

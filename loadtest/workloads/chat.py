@@ -50,6 +50,9 @@ class ChatConfig:
     #: Chance a session opens with a retrieved document (RAG), unique to the session.
     document_probability: float = 0.0
     document_tokens: int = 1000
+    #: Documents' lengths drawn evenly from ``document_tokens`` to this (0: all
+    #: ``document_tokens`` long): long documents beside short turns, as P/D serves.
+    document_max_tokens: int = 0
     #: Sessions in the run and their mean length in turns (geometric, like real chats
     #: where most sessions are short and a few run long).
     num_sessions: int = 400
@@ -90,6 +93,8 @@ class ChatConfig:
             raise ValueError(f"chat arrival must be poisson or closed, got {self.arrival!r}")
         if not 0 <= self.document_probability <= 1:
             raise ValueError("document_probability must lie in [0, 1]")
+        if self.document_max_tokens and self.document_max_tokens < self.document_tokens:
+            raise ValueError("document_max_tokens must be 0 or at least document_tokens")
         if self.mean_turns < 1 or self.max_turns < 1:
             raise ValueError("mean_turns and max_turns must be at least 1")
         if self.rate_shape not in RATE_SHAPES:
@@ -250,7 +255,10 @@ def _chat_session(
     shared = len(tokenizer.apply_chat_template(prefix, add_generation_prompt=False))
     opening = ""
     if rng.random() < config.document_probability:
-        opening = "Document: " + _text(rng, config.document_tokens) + "\n"
+        length = config.document_tokens
+        if config.document_max_tokens > length:
+            length = int(rng.integers(length, config.document_max_tokens + 1))
+        opening = "Document: " + _text(rng, length) + "\n"
     turns = []
     for turn in range(num_turns):
         question = {
