@@ -16,8 +16,8 @@ import numpy as np
 import xxhash
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from replica import peers
 from replica.answers import Answer, AnswerSpec, ChoiceOutputs
+from replica.api import kv_params
 from replica.api import openai as api
 from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed
@@ -28,6 +28,7 @@ from replica.engine import Engine, EngineConfig, EngineDead, EngineRequest, Requ
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
 from replica.metrics import ReplicaMetrics
+from replica.peers import Peers
 
 #: Engine seconds a peer holds lent blocks beyond the pull's predicted end.
 PULL_MARGIN_S = 1.0
@@ -45,7 +46,7 @@ class Replica:
         self.publisher: KVPublisher | None = None
         self.requests = 0  # accepted since the last reset
         self.errors = 0  # refused since the last reset
-        self.peers = peers.Peers()
+        self.peers = Peers()
         self.pull_fallbacks = 0
 
     async def answer(
@@ -65,18 +66,18 @@ class Replica:
         lora = self._adapter(body.model)
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
-        transfer = peers.parse(body.kv_transfer_params)
+        transfer = kv_params.parse(body.kv_transfer_params)
         if transfer is not None and len(prompts) * body.n != 1:
             raise api.Rejected("kv_transfer_params take one prompt and n=1", 400, "n")
-        if isinstance(transfer, peers.RemoteDecode) and body.stream:
+        if isinstance(transfer, kv_params.RemoteDecode) and body.stream:
             raise api.Rejected("do_remote_decode takes a whole answer (stream false)", 400)
         requests = self._engine_requests(request_id, body, prompts, lora)
         extra: dict[str, object] = {}
-        if isinstance(transfer, peers.RemoteDecode):
+        if isinstance(transfer, kv_params.RemoteDecode):
             requests = [replace(requests[0], hold_s=self.config.kv_hold_s)]
             blocks = len(prompts[0]) // self.config.block_size
-            extra["kv_transfer_params"] = peers.prefill_params(base_url, request_id, blocks)
-        elif isinstance(transfer, peers.RemotePrefill):
+            extra["kv_transfer_params"] = kv_params.prefill_params(base_url, request_id, blocks)
+        elif isinstance(transfer, kv_params.RemotePrefill):
             lent = await self._borrow(transfer, requests[0])
             requests = [replace(requests[0], pull_tokens=lent)]
         try:
@@ -115,7 +116,7 @@ class Replica:
             raise api.Rejected(str(dead), 500) from None
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
 
-    async def _borrow(self, transfer: peers.RemotePrefill, request: EngineRequest) -> int:
+    async def _borrow(self, transfer: kv_params.RemotePrefill, request: EngineRequest) -> int:
         """The leading prompt tokens the peer lends ``request`` to pull (0: it computes
         them itself, a fallback if the peer was asked for any)."""
         size = self.config.block_size

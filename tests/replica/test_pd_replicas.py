@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from replica.peers import pull_params
+from replica.api.kv_params import pull_params
 from tests.shared import replica_stats
 
 pytestmark = pytest.mark.slow
