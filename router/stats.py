@@ -87,6 +87,8 @@ class BackendStats:
     block_size: int | None = None
     #: Leaving the fleet (a scale-in): sent nothing new until it goes.
     draining: bool = False
+    #: What it does in a disaggregated fleet: ``both``, ``prefill`` or ``decode``.
+    role: str = "both"
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -186,6 +188,10 @@ class GatewayStats:
     #: Hot prefixes' replication sets, largest share first (none unless the policy
     #: replicates them: router/policies/replicated.py).
     hot_sets: list[HotSetStats] = field(default_factory=list)
+    #: Requests by how their KV got to the replica that answered: ``local``,
+    #: ``disaggregated`` (prefilled on another replica, then pulled) or ``pulled``
+    #: (a peer's prefix pulled): router/policies/disaggregated.py.
+    paths: dict[str, int] = field(default_factory=dict)
 
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""

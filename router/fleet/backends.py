@@ -21,11 +21,12 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 
 from replica.api.card import EngineCard
+from replica.api.config import ROLES
 from replica.api.engines import ENGINES
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from replica.api.stats import KVEventsEndpoint
@@ -42,24 +43,39 @@ NOT_CHECKED = ("every check (--no-check-backends)",)
 log = logging.getLogger(__name__)
 
 
-def parse_backend(spec: str) -> tuple[str, KVEventsEndpoint | None]:
+class BackendSpec(NamedTuple):
+    """A ``--backend`` as given: its URL, where it publishes KV events, its role."""
+
+    url: str
+    kv_endpoint: KVEventsEndpoint | None = None
+    role: str | None = None
+
+
+def parse_backend(spec: str) -> BackendSpec:
     """``URL``, or ``URL,kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]`` for
     an engine that publishes its KV events on ZMQ without saying where (vLLM started
-    with ``--kv-events-config``: its ``endpoint``, ``replay_endpoint`` and ``topic``)."""
+    with ``--kv-events-config``: its ``endpoint``, ``replay_endpoint`` and ``topic``),
+    and ``,role=prefill`` or ``,role=decode`` for one that does not say its role (a
+    vLLM server of a disaggregated fleet)."""
     url, *options = spec.split(",")
     _check_url(spec, url)
     fields: dict[str, str] = {}
     for option in options:
         name, _, value = option.partition("=")
-        if name not in ("kv", "replay", "topic") or not value:
-            raise ValueError(f"backend {spec!r}: expected kv=, replay= or topic=, got {option!r}")
+        if name not in ("kv", "replay", "topic", "role") or not value:
+            raise ValueError(
+                f"backend {spec!r}: expected kv=, replay=, topic= or role=, got {option!r}"
+            )
         fields[name] = value
+    role = fields.pop("role", None)
+    if role is not None and role not in ROLES:
+        raise ValueError(f"backend {spec!r}: role= takes {', '.join(ROLES)}, got {role!r}")
     if not fields:
-        return url, None
+        return BackendSpec(url, None, role)
     if "kv" not in fields:
         raise ValueError(f"backend {spec!r}: replay= and topic= need kv=tcp://HOST:PORT")
     endpoint = KVEventsEndpoint(fields["kv"], fields.get("replay", ""), fields.get("topic", ""))
-    return url, endpoint
+    return BackendSpec(url, endpoint, role)
 
 
 def _check_url(spec: str, url: str) -> None:
@@ -97,6 +113,8 @@ class Backend:
     joined: bool = False
     #: Leaving the fleet, as its card says: sent nothing new, its requests end there.
     draining: bool = False
+    #: Its role as the operator gave it (``--backend URL,role=...``), over its card's.
+    given_role: str | None = None
     routing_mode: RoutingMode = "checking"
     #: Why it is routed approximately (what differs, and the flag that fixes it).
     approximate_reason: str | None = None
@@ -188,6 +206,7 @@ class BackendPool:
         capacity_blocks: int | None = None,
         kv_endpoint: KVEventsEndpoint | None = None,
         card: EngineCard | None = None,
+        role: str | None = None,
     ) -> Backend:
         """Start routing to ``url`` (idempotent); its KV events are followed from now on
         (``kv_endpoint``: where a vLLM server publishes them; ``card``: what it is, as
@@ -204,7 +223,8 @@ class BackendPool:
         capacity = capacity_blocks or (card.num_blocks if card else None) or self._capacity
         state = ReplicaState(name, capacity)
         kv_endpoint = kv_endpoint or (card.kv_events if card else None)
-        backend = Backend(url, state, kv_endpoint=kv_endpoint)
+        backend = Backend(url, state, kv_endpoint=kv_endpoint, given_role=role)
+        state.role = role or state.role
         self._backends[name] = backend
         if card is not None:  # what it serves is known: route to it at once
             self._learn(backend, card)
@@ -227,6 +247,7 @@ class BackendPool:
             state.model = model
             self._on_added(state)
         state.model, state.adapters = model, frozenset(card.adapters)
+        state.role = backend.given_role or card.role
 
     def _join(self, backend: Backend) -> None:
         backend.joined = True

@@ -76,8 +76,8 @@ def create_app(
                 gateway.accounting, gateway.pool, gateway.queue, gateway.tenant_footprint
             )
             for spec in backends:
-                url, kv_endpoint = parse_backend(spec)
-                gateway.pool.add(url, kv_endpoint=kv_endpoint)
+                url, kv_endpoint, role = parse_backend(spec)
+                gateway.pool.add(url, kv_endpoint=kv_endpoint, role=role)
             follower = None
             if ray_replica_prefix is not None:  # serving starts with the replicas admitted
                 await sync_ray_replicas(gateway.pool, ray_replica_prefix)

@@ -79,6 +79,12 @@ class Accounting:
         self.unread_prompts = 0
         #: Requests that carried a session key (``--session-key``).
         self.session_requests = 0
+        #: Requests by how their KV got to the replica that answered: ``local``,
+        #: ``disaggregated`` (prefilled on another replica) or ``pulled`` (from a peer).
+        self.paths: Counter[str] = Counter()
+        #: Disaggregated requests past their prefill leg: its cached tokens (what the
+        #: request's hit rate counts) and when the leg was dispatched (its TTFT's start).
+        self._prefilled: dict[str, tuple[int | None, float]] = {}
 
     def dispatched(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
         load.dispatched(policy, request, replica, self._wall_clock())
@@ -86,8 +92,27 @@ class Accounting:
 
     def first_token(self, request: RoutingRequest, replica: ReplicaState, policy: Policy) -> None:
         if request.prefilling:  # the first time only: later calls are no-ops
-            self.ttft[policy.name].observe(self._wall_clock() - request.dispatched_at)
+            started = self._prefilled.get(request.request_id, (None, request.dispatched_at))[1]
+            self.ttft[policy.name].observe(self._wall_clock() - started)
         load.prefilled(request, replica)
+
+    def prefill_ended(
+        self,
+        request: RoutingRequest,
+        replica: ReplicaState,
+        policy: Policy,
+        cached: int | None,
+        failed: bool,
+    ) -> None:
+        """A disaggregated request's prefill leg ended: its load leaves the prefill
+        replica, whose cached tokens are the request's (the decode replica pulls them)."""
+        started = request.dispatched_at
+        load.completed(policy, request, replica, cached)
+        if failed:
+            self.upstream_errors[replica.replica_id] += 1
+        else:
+            self._predicted(request, replica, policy, cached)
+        self._prefilled[request.request_id] = (cached, started)
 
     def ended(
         self,
@@ -101,18 +126,36 @@ class Accounting:
         load.completed(policy, request, replica, cached)
         if failed:
             self.upstream_errors[replica.replica_id] += 1
-        self._count(self.totals, request.num_prompt_tokens, cached, failed)
-        self._count(self.policies[policy.name], request.num_prompt_tokens, cached, failed)
-        if request.tenant is not None:
-            self._count(self.tenants[request.tenant], request.num_prompt_tokens, cached, failed)
-        model = request.adapter or request.model
-        if model is not None:
-            self._count(self.models[model], request.num_prompt_tokens, cached, failed)
+        self.paths[request.kv.path if request.kv is not None else "local"] += 1
+        prefilled = self._prefilled.pop(request.request_id, None)
+        if prefilled is not None:  # its prompt's hits were the prefill leg's, counted there
+            self._count_request(request, policy.name, prefilled[0], failed)
+            return
+        self._count_request(request, policy.name, cached, failed)
+        self._predicted(request, replica, policy, cached)
+
+    def _predicted(
+        self, request: RoutingRequest, replica: ReplicaState, policy: Policy, cached: int | None
+    ) -> None:
+        """Count how close the policy's prediction came to the replica's figure."""
         if cached is not None and request.predicted_cached_tokens is not None:
             counts = self.by_backend[replica.replica_id][policy.name]
             counts.predicted(
                 request.predicted_cached_tokens, cached, self.block_tokens, self.tolerance_tokens
             )
+
+    def _count_request(
+        self, request: RoutingRequest, policy: str, cached: int | None, failed: bool
+    ) -> None:
+        """Count an ended request in the totals and per policy, tenant and model."""
+        prompt = request.num_prompt_tokens
+        self._count(self.totals, prompt, cached, failed)
+        self._count(self.policies[policy], prompt, cached, failed)
+        if request.tenant is not None:
+            self._count(self.tenants[request.tenant], prompt, cached, failed)
+        model = request.adapter or request.model
+        if model is not None:
+            self._count(self.models[model], prompt, cached, failed)
 
     @staticmethod
     def _count(counts: RequestCounts, prompt: int, cached: int | None, failed: bool) -> None:
@@ -152,6 +195,7 @@ class Accounting:
             pid=os.getpid(),
             policies={name: self._policy_stats(name) for name in self.policies},
             models={name: counts.stats() for name, counts in self.models.items()},
+            paths=dict(self.paths),
         )
 
     def _policy_stats(self, name: str) -> PolicyStats:
@@ -194,6 +238,7 @@ class Accounting:
             model=backend.card.model if backend.card else None,
             block_size=backend.card.block_size if backend.card else None,
             draining=backend.draining,
+            role=state.role,
         )
 
 

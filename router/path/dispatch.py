@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from replica.api import kv_params
 from replica.api import openai as api
 from router.core import RoutingRequest
 from router.fleet.backends import Backend, BackendPool
@@ -49,8 +50,14 @@ class Dispatcher:
         """One try on the placed replica; raises :class:`UpstreamFailed` while retrying
         is safe."""
         backend, request = placement.backend, ticket.request
+        body = ticket.body
+        if placement.prefill is not None:
+            body = await self._prefilled(ticket, placement)
+        elif placement.pull_from is not None and request.kv is not None:
+            params = kv_params.pull_params(placement.pull_from.url, request.kv.pull_tokens)
+            body = with_fields(body, kv_transfer_params=params)
         try:
-            response = await self.client.post(backend.url + ticket.envelope.path, ticket.body)
+            response = await self.client.post(backend.url + ticket.envelope.path, body)
         except FAILURES as error:
             raise self._failed(request, placement, error) from None
         if response.status in RETRYABLE_STATUSES:
@@ -71,6 +78,43 @@ class Dispatcher:
             media_type="text/event-stream",
             headers=decision_headers(request, backend),
         )
+
+    async def _prefilled(self, ticket: Ticket, placement: Placement) -> bytes:
+        """A disaggregated request's prefill leg, as vLLM's P/D proxies send it (one
+        token, a whole answer, ``do_remote_decode``); then the decode replica's load is
+        recorded and its body returned, with the prefill's ``kv_transfer_params``.
+        Raises :class:`UpstreamFailed` if the prefill failed (the try is settled)."""
+        request, prefill = ticket.request, placement.prefill
+        assert prefill is not None
+        cached, params, failure = None, None, None
+        try:
+            response = await self.client.post(
+                prefill.url + ticket.envelope.path, prefill_body(ticket.body)
+            )
+            try:
+                content = await response.read()
+            finally:
+                response.release()
+            if response.status == 200:
+                answer = json.loads(content)
+                params, cached = (
+                    answer.get("kv_transfer_params"),
+                    _cached_tokens(answer.get("usage")),
+                )
+            else:
+                failure = f"{prefill.url} answered {response.status} to the prefill"
+        except FAILURES as error:
+            self.pool.open_circuit(prefill)
+            failure = f"{prefill.url} failed the prefill: {error!r}"
+        policy, accounting = placement.policy, self.settlement.accounting
+        accounting.prefill_ended(request, prefill.state, policy, cached, failure is not None)
+        block = accounting.block_tokens
+        request.predicted_cached_tokens = (request.num_prompt_tokens - 1) // block * block
+        accounting.dispatched(request, placement.backend.state, policy)  # the decode leg
+        if failure is not None:
+            self.settlement.ended(request, placement, None, failed=True)
+            raise UpstreamFailed(failure)
+        return with_fields(ticket.body, kv_transfer_params=params)
 
     def _failed(
         self, request: RoutingRequest, placement: Placement, error: BaseException
@@ -147,10 +191,33 @@ class Dispatcher:
             self.settlement.ended(request, placement, cached, failed, generated)
 
 
+def with_fields(body: bytes, **fields: Any) -> bytes:
+    """A JSON body with ``fields`` set (a P/D leg's: rewritten only on that path)."""
+    return json.dumps({**json.loads(body), **fields}).encode()
+
+
+def prefill_body(body: bytes) -> bytes:
+    """The prefill leg of a disaggregated request, as vLLM's P/D proxies write it: one
+    token, a whole answer, the KV held for a remote decode."""
+    data = json.loads(body)
+    data.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = 1
+    for field in ("stream_options", "min_tokens"):
+        data.pop(field, None)
+    return json.dumps(data).encode()
+
+
 def decision_headers(routing: RoutingRequest, backend: Backend) -> dict[str, str]:
-    """What the router decided, for clients and tests to see: the replica, and the
-    cached tokens it expected there (a cache-aware policy's prediction)."""
+    """What the router decided, for clients and tests to see: the replica, the cached
+    tokens it expected there (a cache-aware policy's prediction), and where the KV came
+    from (a prefill replica, or a peer it was pulled from)."""
     headers = {"x-prefix-router-replica": backend.state.replica_id}
+    plan = routing.kv
+    if plan is not None and plan.prefill is not None:
+        headers["x-prefix-router-prefill"] = plan.prefill.replica_id
+    elif plan is not None and plan.pull_from is not None:
+        headers["x-prefix-router-pulled-from"] = plan.pull_from.replica_id
     if routing.predicted_cached_tokens is not None:
         headers["x-prefix-router-predicted-cached-tokens"] = str(routing.predicted_cached_tokens)
     return headers

@@ -3,7 +3,10 @@
 The request's model's policy chooses among the admitted replicas that its tenant's
 cache budget allows (``router/fair/cache_budget.py``); the choice is recorded at once,
 in the replica's load and the policy's state (``Accounting.dispatched``) and in the
-tenant's service (``FairShare.dispatched``, corrected when it ends).
+tenant's service (``FairShare.dispatched``, corrected when it ends). The policy may
+plan how the request's KV gets there (``RoutingRequest.kv``): prefilled on another
+replica first (its load is then recorded there, the decode replica's once the prefill
+is done: ``router/path/dispatch.py``), or its prefix pulled from a peer.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from router.policies import Policy
 
 
 class Placement(NamedTuple):
-    """Where a request goes, and the policy that sent it there."""
+    """Where a request goes, the policy that sent it there, and where its KV comes
+    from: a ``prefill`` replica (disaggregated), or a peer it pulls from."""
 
     backend: Backend
     policy: Policy
+    prefill: Backend | None = None
+    pull_from: Backend | None = None
 
 
 class Placer:
@@ -45,10 +51,16 @@ class Placer:
     def place(self, request: RoutingRequest, candidates: Sequence[ReplicaState]) -> Placement:
         policy = self.models.policy(request.model)
         allowed = self.within_budget(policy, request, candidates)
+        request.kv = None  # planned anew by the policy, at every try
         backend = self.pool.by_state(policy.choose(request, allowed))
-        self.accounting.dispatched(request, backend.state, policy)
+        plan, prefill, pull_from = request.kv, None, None
+        if plan is not None and plan.prefill is not None:
+            prefill = self.pool.by_state(plan.prefill)
+        elif plan is not None and plan.pull_from is not None:
+            pull_from = self.pool.by_state(plan.pull_from)
+        self.accounting.dispatched(request, (prefill or backend).state, policy)
         self.fair.dispatched(request)
-        return Placement(backend, policy)
+        return Placement(backend, policy, prefill, pull_from)
 
     def within_budget(
         self, policy: Policy, request: RoutingRequest, candidates: Sequence[ReplicaState]

@@ -34,7 +34,6 @@ class Settlement:
     ) -> None:
         """``cached``: the prompt tokens the replica reported cached (``None``: it did
         not say); ``generated``: the tokens it generated."""
-        backend, policy = placement
-        self.accounting.ended(request, backend.state, policy, cached, failed)
+        self.accounting.ended(request, placement.backend.state, placement.policy, cached, failed)
         self.queue.fair.ended(request, cached, generated, failed)
         self.queue.slot_freed()
