@@ -237,7 +237,14 @@ def _probe(
     except (httpx.HTTPError, ValueError):
         return ActorStatus(name, node, card.url, False, None, None, routing)
     return ActorStatus(
-        name, node, card.url, True, figures.requests, figures.token_hit_rate, routing
+        name,
+        node,
+        card.url,
+        True,
+        figures.requests,
+        figures.token_hit_rate,
+        routing,
+        role=card.role,
     )
 
 

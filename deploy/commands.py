@@ -20,7 +20,7 @@ from deploy.flags import (
     config_from_args,
     config_overrides,
 )
-from deploy.fleet import FLEET_HELP, fleet_engines, parse_entry
+from deploy.fleet import FLEET_HELP, PD_HELP, fleet_engines, parse_entry
 from deploy.replicas import EngineSpec
 from deploy.serving import serve_http
 from replica.api.config import ReplicaConfig
@@ -38,6 +38,11 @@ def add_deploy_commands(commands: Any) -> None:
     add_serve_parser(commands)
     add_cluster_parsers(commands)
     add_tiny_model_parser(commands)
+
+
+def add_pd_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=0, metavar="N", help=PD_HELP)
+    parser.add_argument("--decode", type=int, default=0, metavar="M", help=PD_HELP)
 
 
 def add_fleet_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +92,7 @@ def add_cluster_parsers(commands: Any) -> None:
     up.add_argument("--address", default="auto", help=ADDRESS_HELP)
     up.add_argument("--replicas", type=int, default=4)
     up.add_argument("--fleet", action="append", default=[], metavar="MODEL=N", help=FLEET_HELP)
+    add_pd_flags(up)
     up.add_argument("--gateways", type=int, default=1, help="one per node (default: 1)")
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
     up.add_argument("--port", type=int, default=8000, help="the gateways' port")
@@ -107,7 +113,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     gateway, engine, keep = fleet_configs(args)
     cluster.connect(args.address)
-    engines = fleet_engines(args.fleet, args.replicas, engine)
+    engines = fleet_engines(args.fleet, args.replicas, engine, args.prefill, args.decode)
     autoscale = autoscale_config(args)
     gateways, replicas = cluster.up(
         engines, gateway, args.host, args.port, args.gateways, keep, autoscale
@@ -131,13 +137,13 @@ def run_status(args: argparse.Namespace) -> int:
     if not gateways:
         print("gateway: not running")
     print(
-        f"{'actor':<12} {'node':<14} {'url':<28} {'health':<8} {'requests':>8} {'hit rate':>8}"
-        "  routing"
+        f"{'actor':<12} {'node':<14} {'url':<28} {'role':<8} {'health':<8} {'requests':>8} "
+        f"{'hit rate':>8}  routing"
     )
     for row in [*gateways, *replicas]:
         rate = f"{row.token_hit_rate:.1%}" if row.token_hit_rate is not None else "-"
         health = "ok" if row.healthy else "DOWN"
-        line = f"{row.name:<12} {row.node_id[:12]:<14} {row.url:<28} {health:<8}"
+        line = f"{row.name:<12} {row.node_id[:12]:<14} {row.url:<28} {row.role:<8} {health:<8}"
         print(f"{line} {row.requests or 0:>8} {rate:>8}  {row.routing or ''}".rstrip())
     return 0 if all(row.healthy for row in [*gateways, *replicas]) else 1
 
@@ -158,6 +164,7 @@ def add_serve_parser(commands: Any) -> None:
     )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--fleet", action="append", default=[], metavar="MODEL=N", help=FLEET_HELP)
+    add_pd_flags(parser)
     parser.add_argument(
         "--gateways",
         type=int,
@@ -179,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     gateway, engine, keep = fleet_configs(args)
     autoscale = autoscale_config(args)
     serve(
-        fleet_engines(args.fleet, args.replicas, engine),
+        fleet_engines(args.fleet, args.replicas, engine, args.prefill, args.decode),
         gateway,
         args.host,
         args.port,
@@ -197,9 +204,10 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
     config = config_from_args(AutoscaleConfig, args)
     if config.fixed:
         return None
-    if args.fleet:
+    if args.fleet or args.prefill or args.decode:
         raise ValueError(
-            "--min-replicas and --max-replicas scale a fleet of one model, not --fleet"
+            "--min-replicas and --max-replicas scale a fleet of one model in one role, "
+            "not --fleet, --prefill or --decode"
         )
     low, high = config.min_replicas, config.max_replicas
     if not low <= args.replicas <= high:
@@ -248,9 +256,10 @@ def add_gateway_parser(commands: Any) -> None:
         "--backend",
         action="append",
         default=[],
-        metavar="URL[,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT,topic=T]",
+        metavar="URL[,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT,topic=T][,role=R]",
         help="repeatable; a vLLM server started with --kv-events-config: its URL and "
-        "the config's endpoint, replay_endpoint and topic, reached from here",
+        "the config's endpoint, replay_endpoint and topic, reached from here; role= "
+        "prefill or decode for a disaggregated fleet's server that does not say its own",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -10,10 +10,11 @@ among the replicas of its model (``router/fleet/models.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deploy.engines import deployment_of
 from deploy.replicas import EngineSpec
+from replica.api.config import ReplicaConfig
 
 FLEET_HELP = (
     "repeatable: N replicas serving MODEL (and, on the simulated engine, these LoRA "
@@ -42,9 +43,24 @@ def parse_entry(text: str) -> FleetEntry:
     return FleetEntry(model, int(count), names)
 
 
-def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> list[EngineSpec]:
+PD_HELP = (
+    "a disaggregated fleet of simulated replicas: N that prefill and M that decode, in "
+    "place of --replicas (route it with --policy pd_conditional, pd_always or pd_blind)"
+)
+
+
+def fleet_engines(
+    entries: Sequence[str],
+    replicas: int,
+    engine: EngineSpec,
+    prefill: int = 0,
+    decode: int = 0,
+) -> list[EngineSpec]:
     """One engine per replica: ``replicas`` copies of ``engine`` without ``--fleet``,
-    else each entry's count of ``engine`` serving its model (and adapters)."""
+    else each entry's count of ``engine`` serving its model (and adapters); with
+    ``prefill`` or ``decode``, that many prefill replicas, then that many decode ones."""
+    if prefill or decode:
+        return _disaggregated(entries, engine, prefill, decode)
     if not entries:
         return [engine] * replicas
     fleet = [parse_entry(text) for text in entries]
@@ -57,6 +73,22 @@ def fleet_engines(entries: Sequence[str], replicas: int, engine: EngineSpec) -> 
     for entry in fleet:
         engines += [_serving(engine, entry)] * entry.replicas
     return engines
+
+
+def _disaggregated(
+    entries: Sequence[str], engine: EngineSpec, prefill: int, decode: int
+) -> list[EngineSpec]:
+    if entries:
+        raise ValueError("--prefill and --decode deploy one model, not a --fleet")
+    if not isinstance(engine, ReplicaConfig):
+        raise ValueError(
+            "--prefill and --decode deploy simulated replicas; start vLLM servers with a "
+            "--kv-transfer-config and give them to a gateway as --backend URL,role=prefill"
+        )
+    if prefill < 0 or decode < 0 or not prefill + decode:
+        raise ValueError("--prefill and --decode take counts, at least one of them positive")
+    prefills: list[EngineSpec] = [replace(engine, role="prefill")] * prefill
+    return prefills + [replace(engine, role="decode")] * decode
 
 
 def _serving(engine: EngineSpec, entry: FleetEntry) -> EngineSpec:

@@ -142,6 +142,8 @@ class ActorStatus:
     routing: str | None = None
     #: A gateway: that, for each replica it routes, by name.
     backends: dict[str, str] = field(default_factory=dict)
+    #: A replica's role (``both``, ``prefill``, ``decode``); ``-`` for a gateway.
+    role: str = "-"
 
 
 def gateway_status(timeout_s: float = 10.0) -> list[ActorStatus]:

@@ -42,3 +42,13 @@ def test_vllm_adapters_need_their_weights():
 def test_serve_refuses_a_bad_fleet_before_starting_anything():
     done = prefix_router("serve", "--fleet", "llama=two")
     assert done.returncode == 2 and "--fleet 'llama=two': expected MODEL=N" in done.stderr
+
+
+def test_a_disaggregated_fleet_is_its_prefill_replicas_then_its_decode_ones():
+    engines = fleet_engines([], 4, ReplicaConfig(speedup=5), prefill=1, decode=2)
+    assert [e.role for e in engines] == ["prefill", "decode", "decode"]
+    assert {e.speedup for e in engines} == {5}
+    with pytest.raises(ValueError, match="simulated"):
+        fleet_engines([], 1, VLLMConfig("m"), prefill=1, decode=1)
+    with pytest.raises(ValueError, match="fleet"):
+        fleet_engines(["m=1"], 1, ReplicaConfig(), prefill=1, decode=1)

@@ -140,3 +140,20 @@ def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
         assert len(gateways) == 2  # both gateways answered
         missing = httpx.post(url + "/v1/completions", json={"model": "geo", "prompt": "hi"})
         assert missing.status_code == 404
+
+
+def test_a_disaggregated_fleet_prefills_on_one_replica_and_decodes_on_the_other():
+    with serving("--prefill", "1", "--decode", "1", "--policy", "pd_always") as (url, _):
+        backends = httpx.get(url + "/stats").json()["backends"]
+        roles = {b["replica_id"]: b["role"] for b in backends}
+        assert roles == {"replica-0": "prefill", "replica-1": "decode"}
+        body = {
+            "model": "sim-llama3-8b",
+            "messages": [{"role": "user", "content": "Read this. " * 300}],
+            "max_tokens": 3,
+        }
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-prefix-router-prefill"] == "replica-0"
+        assert answer.headers["x-prefix-router-replica"] == "replica-1"
+        assert gateway_stats(url).paths == {"disaggregated": 1}
