@@ -128,7 +128,7 @@ class CacheStats:
     #: Of the hits, those loaded from the host tier.
     host_hit_tokens: int = 0
     host_hit_blocks: int = 0
-    #: Prompt tokens pulled from a peer replica (not hits: this cache did not hold them).
+    #: Of the hits, those pulled from a peer replica's cache.
     pulled_tokens: int = 0
 
     @property

@@ -200,20 +200,21 @@ class Scheduler:
         self, seq: Sequence, num_cached: int, num_loaded: int, num_pulled: int = 0
     ) -> None:
         """Count a request's prompt once, not again when it resumes from preemption:
-        its cached tokens from both tiers, those loaded from the host among them, and
-        apart from them those pulled from a peer (the request reports them as cached,
-        as vLLM does an external hit; the cache's hit rate counts its own hits)."""
+        its cached tokens from both tiers and from a peer (pulled: hits of the fleet's
+        caches, as vLLM reports an external hit), those loaded from the host and those
+        pulled among them. A prompt prefilled on another replica was counted there."""
         if seq.num_cached_prompt_tokens is not None:
             return
         seq.num_cached_prompt_tokens = num_cached
+        if seq.request.prefilled_elsewhere:
+            return
         stats = self.cache.stats
         size = self.cache.block_size
-        own = num_cached - num_pulled
         stats.query_tokens += seq.num_prompt_tokens
-        stats.hit_tokens += own
+        stats.hit_tokens += num_cached
         stats.pulled_tokens += num_pulled
         stats.query_blocks += seq.num_prompt_tokens // size
-        stats.hit_blocks += own // size
+        stats.hit_blocks += num_cached // size
         stats.host_hit_tokens += num_loaded
         stats.host_hit_blocks += num_loaded // size
 

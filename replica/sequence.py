@@ -49,6 +49,9 @@ class EngineRequest:
     #: Leading prompt tokens a peer lends it, pulled before it is prefilled (vLLM's
     #: ``do_remote_prefill``; 0: none). See replica/kv_transfer.py.
     pull_tokens: int = 0
+    #: Whether its prompt was prefilled on another replica, whose cache counted it (a
+    #: P/D decode): not a query of this cache.
+    prefilled_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

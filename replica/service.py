@@ -79,7 +79,8 @@ class Replica:
             extra["kv_transfer_params"] = kv_params.prefill_params(base_url, request_id, blocks)
         elif isinstance(transfer, kv_params.RemotePrefill):
             lent = await self._borrow(transfer, requests[0])
-            requests = [replace(requests[0], pull_tokens=lent)]
+            elsewhere = transfer.lease_id is not None  # a P/D decode: the prefill counted it
+            requests = [replace(requests[0], pull_tokens=lent, prefilled_elsewhere=elsewhere)]
         try:
             streams = self._submit(requests)
         except ValueError as error:

@@ -127,6 +127,7 @@ class Simulation:
         index: int,
         pull: int = 0,
         source: int | None = None,
+        prefilled_elsewhere: bool = False,
     ) -> None:
         """Queue the request (its decode leg, if disaggregated) on engine ``index``,
         with ``pull`` leading tokens to pull from engine ``source`` first."""
@@ -141,6 +142,7 @@ class Simulation:
                 cache_salt=session.cache_salt,
                 lora=session.adapter,
                 pull_tokens=pull,
+                prefilled_elsewhere=prefilled_elsewhere,
             )
             self.engines.submit(index, engine_request)
         except ValueError as error:
@@ -194,7 +196,7 @@ class Simulation:
         request.routing.predicted_cached_tokens = full  # the decode replica pulls them
         lent = self._lend(index, output.request_id, [])
         record.pull_fallback = lent * block < full  # the hold timed out, say
-        self._send(request, session, record.replica, lent * block, index)
+        self._send(request, session, record.replica, lent * block, index, prefilled_elsewhere=True)
 
     def _pull(self, request: TurnRequest, session: Session, source: int, plan: KVPlan) -> int:
         """Tokens engine ``source`` lends the request to pull, as planned."""

@@ -45,7 +45,10 @@ def test_a_held_prefill_is_pulled_and_decoded_without_recomputing_it():
     assert lent == len(PROMPT) // BLOCK  # every full block of the prompt
     receiver = engine()
     receiver.advance_to(sender.now)
-    receiver.add_request(EngineRequest("r", PROMPT, 4, ignore_eos=True, pull_tokens=lent * BLOCK))
+    decode = EngineRequest(
+        "r", PROMPT, 4, ignore_eos=True, pull_tokens=lent * BLOCK, prefilled_elsewhere=True
+    )
+    receiver.add_request(decode)
     pulled = (len(PROMPT) - 1) // BLOCK * BLOCK  # it computes the last token itself
     pull_s = PROFILES["llama3-8b-h100"].transfer_time(pulled, RDMA200)
     assert receiver.pull_end_s("r") == pytest.approx(sender.now + pull_s)
@@ -53,8 +56,7 @@ def test_a_held_prefill_is_pulled_and_decoded_without_recomputing_it():
     outputs = run(receiver)
     first = outputs[0][1]
     assert first.num_cached_tokens == pulled  # reported as cached, as vLLM does
-    stats = receiver.cache_stats
-    assert stats.pulled_tokens == pulled and stats.hit_tokens == 0  # not its own hits
+    assert receiver.cache_stats.query_tokens == 0  # the prefill's cache counted the prompt
     assert receiver.prefill_tokens_computed == len(PROMPT) - pulled
     assert receiver.transfers.pulls == 1 and receiver.transfers.pulled_tokens == pulled
     # the pulled blocks are the receiver's now: cached, and announced as computed ones are
@@ -120,3 +122,16 @@ def test_aborting_a_request_while_it_pulls_frees_nothing_and_forgets_it():
     receiver.add_request(EngineRequest("p", PROMPT, 1, pull_tokens=1984))
     assert receiver.abort("p") and not receiver.has_unfinished
     assert receiver.next_pull_s is None
+
+
+def test_a_peers_pulled_prefix_counts_as_a_hit_of_the_fleets_caches():
+    peer = engine()
+    peer.add_request(EngineRequest("a", PROMPT, 1, ignore_eos=True))
+    run(peer)
+    lent = peer.lend("b/pull", hashes(), until_s=peer.now + 1)
+    receiver = engine()
+    receiver.add_request(EngineRequest("b", PROMPT, 1, ignore_eos=True, pull_tokens=lent * BLOCK))
+    run(receiver)
+    stats = receiver.cache_stats
+    pulled = (len(PROMPT) - 1) // BLOCK * BLOCK
+    assert stats.query_tokens == len(PROMPT) and stats.hit_tokens == stats.pulled_tokens == pulled
