@@ -22,7 +22,7 @@ from deploy.flags import (
     shell_words,
 )
 from deploy.fleet import parse_entry
-from loadtest import bench, plots, sglang, timeline_plots
+from loadtest import bench, plots, sglang, timeline_plots, vllm_router
 from loadtest.bench import BenchConfig
 from loadtest.report import (
     MODEL_KEYS,
@@ -61,6 +61,20 @@ TABLE_KEYS = (
     "prediction_within_block",
     "prediction_over",
     "cpu_busy",
+)
+#: What P/D is for: goodput, and the latencies it is made of, live beside the replay.
+GOODPUT_KEYS = (
+    "label",
+    "goodput_rps",
+    "replay_goodput_rps",
+    "slo_attainment",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "replay_itl_p99_s",
+    "token_hit_rate",
+    "replay_token_hit_rate",
 )
 
 READING = """\
@@ -105,6 +119,16 @@ class BenchOptions:
         ),
     )
     replicas: int = field(default=4, metadata=helped("embedded deployment's replicas (default: 4)"))
+    prefill: int = field(
+        default=0,
+        metadata=helped(
+            "the embedded deployment disaggregated: this many prefill replicas and "
+            "--decode decode ones, in place of --replicas (aggregated policies route to "
+            "them all; pd_* policies and vllm_router_pd by their roles)",
+            metavar="N",
+        ),
+    )
+    decode: int = field(default=0, metadata=helped("see --prefill", metavar="M"))
     gateways: int = field(
         default=1,
         metadata=helped("embedded deployment's gateways, requests spread at random (default: 1)"),
@@ -113,7 +137,8 @@ class BenchOptions:
         default=",".join(BenchConfig().policies),
         metadata=helped(
             f"comma-separated (default: {','.join(BenchConfig().policies)}); "
-            f"{sglang.LABEL}: SGLang's router in front of the same replicas"
+            f"{sglang.LABEL}: SGLang's router in front of the same replicas; "
+            f"{vllm_router.LABEL}: vLLM's router in P/D mode in front of them (--prefill)"
         ),
     )
     with_sglang: bool = field(
@@ -171,6 +196,16 @@ class BenchOptions:
         metadata=helped("clients send each session's id as x-session-id (and so does the replay)"),
     )
     no_progress: bool = False
+    slo_ttft_s: float = field(
+        default=BenchConfig().slo_ttft_s,
+        metadata=helped("goodput's objective for the time to first token (default: 2)"),
+    )
+    slo_itl_s: float = field(
+        default=BenchConfig().slo_itl_s,
+        metadata=helped(
+            "goodput's objective for each request's inter-token latency p99 (default: 0.1)"
+        ),
+    )
 
 
 def add_bench_parser(commands: Any) -> None:
@@ -210,6 +245,8 @@ def run_bench(args: argparse.Namespace) -> int:
         replay_profile=args.replay_profile,
         session_keys=args.session_keys,
         progress=not args.no_progress,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_itl_s=args.slo_itl_s,
     )
     out = Path(args.out)
     with _target(args) as (gateways, description):
@@ -228,6 +265,10 @@ def run_bench(args: argparse.Namespace) -> int:
         "replay": config.predict,
     }
     print(format_table(rows, TABLE_KEYS))
+    if any(row.get("goodput_rps") is not None for row in rows):
+        slos = f"TTFT <= {args.slo_ttft_s} s, each request's ITL p99 <= {args.slo_itl_s} s"
+        print(f"\ngoodput ({slos}):")
+        print(format_table(rows, GOODPUT_KEYS))
     if any(row.get("models") for row in rows):
         print("\nper model (or adapter) named:")
         print(format_table(model_rows(rows), MODEL_KEYS))
@@ -247,6 +288,9 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
     else:
         flags = _serve_flags(args)
         count = sum(parse_entry(e).replicas for e in args.fleet) if args.fleet else args.replicas
+        if args.prefill or args.decode:
+            flags += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+            count = args.prefill + args.decode
         print(
             f"bench: starting {count} {args.engine} replicas, {args.gateways} gateway(s)…",
             file=sys.stderr,

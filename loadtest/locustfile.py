@@ -118,15 +118,18 @@ class Tally:
         self.session_starts: list[tuple[float, float]] = []  # (due, started), seconds
         self.ttft_s: list[float] = []
         self.e2e_s: list[float] = []
+        #: Each streamed request's inter-token latencies, beside its TTFT.
+        self.token_gaps: list[list[float]] = []
         #: (wall time sent, TTFT, prompt tokens, cached tokens) per answer with usage:
         #: the bench's charts over time.
         self.answers: list[tuple[float, float, int, int]] = []
         self._lock = threading.Lock()
 
-    def add_latency(self, ttft_s: float, e2e_s: float) -> None:
+    def add_latency(self, ttft_s: float, e2e_s: float, gaps: list[float]) -> None:
         with self._lock:
             self.ttft_s.append(ttft_s)
             self.e2e_s.append(e2e_s)
+            self.token_gaps.append(gaps)
 
     def add_answer(
         self, sent: float, ttft_s: float, prompt_tokens: int, cached_tokens: int
@@ -148,6 +151,7 @@ class Tally:
             "late_session_starts": late,  # open loop with too few users to keep pace
             "ttft_s": self.ttft_s,  # per streamed request, exact (Locust's are bucketed)
             "e2e_s": self.e2e_s,
+            "token_gaps": [[round(gap, 6) for gap in gaps] for gaps in self.token_gaps],
             "answers": self.answers,
         }
 
@@ -259,7 +263,7 @@ class ChatSessionUser(HttpUser):
                 response.failure("the stream ended without a token")
                 return
         first = stream.first - start
-        TALLY.add_latency(first, end - start)
+        TALLY.add_latency(first, end - start, stream.gaps)
         if stream.usage is not None:
             HITS.add(self.environment, name, *stream.usage)
             TALLY.add_answer(sent, first, *stream.usage)
@@ -314,6 +318,7 @@ class _Stream:
         self.first: float | None = None
         self.last = 0.0
         self.tokens = 0
+        self.gaps: list[float] = []
         self.usage: tuple[int, int] | None = None
 
     def read(self, line: bytes) -> None:
@@ -326,7 +331,10 @@ class _Stream:
         choice = chunk["choices"][0] if chunk.get("choices") else {}
         if not (choice.get("text") or (choice.get("delta") or {}).get("content")):
             return  # a role announcement, not a token
-        self.last = time.perf_counter()
+        now = time.perf_counter()
         if self.first is None:
-            self.first = self.last
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
         self.tokens += 1

@@ -104,30 +104,44 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
     }
 
 
+#: One request's inter-token latencies: (seconds, tokens) pairs.
+Gaps = Sequence[tuple[float, int]]
+
+
 def latency_figures(done: Sequence[RequestRecord], result: ReplayResult) -> Row:
-    """Inter-token latency over every token, and the goodput: the requests a second
-    that met both objectives (their TTFT, and the 99th percentile of their own ITL)."""
-    gaps = [gap for r in done for gap in r.token_gaps]
-    values, weights = [g for g, _ in gaps], [n for _, n in gaps]
+    """Inter-token latency and goodput of a replay's finished requests."""
     config = result.config
+    ttfts = [r.first_token_s - r.arrival_s if r.first_token_s is not None else None for r in done]
+    gaps = [r.token_gaps for r in done]
+    return goodput_figures(ttfts, gaps, result.duration_s, config.slo_ttft_s, config.slo_itl_s)
+
+
+def goodput_figures(
+    ttfts: Sequence[float | None],
+    gaps: Sequence[Gaps],
+    duration_s: float,
+    slo_ttft_s: float,
+    slo_itl_s: float,
+) -> Row:
+    """Inter-token latency over every token, and the goodput: the requests a second
+    that met both objectives (their TTFT, and the 99th percentile of their own ITL);
+    ``ttfts[i]`` and ``gaps[i]`` are request ``i``'s, replayed or live."""
+    every = [gap for request in gaps for gap in request]
+    values, weights = [g for g, _ in every], [n for _, n in every]
     good = sum(
-        r.first_token_s is not None
-        and r.first_token_s - r.arrival_s <= config.slo_ttft_s
-        and _itl_p99(r) <= config.slo_itl_s
-        for r in done
+        ttft is not None and ttft <= slo_ttft_s and _itl_p99(request) <= slo_itl_s
+        for ttft, request in zip(ttfts, gaps, strict=True)
     )
-    duration = result.duration_s
     return {
         "itl_p50_s": weighted_percentile(values, weights, 50),
         "itl_p99_s": weighted_percentile(values, weights, 99),
-        "goodput_rps": good / duration if duration else None,
-        "slo_attainment": good / len(done) if done else None,
+        "goodput_rps": good / duration_s if duration_s else None,
+        "slo_attainment": good / len(ttfts) if ttfts else None,
     }
 
 
-def _itl_p99(record: RequestRecord) -> float:
+def _itl_p99(gaps: Gaps) -> float:
     """The 99th percentile of one request's inter-token latencies (0: one token)."""
-    gaps = record.token_gaps
     return weighted_percentile([g for g, _ in gaps], [n for _, n in gaps], 99) or 0.0
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import sglang
+from loadtest import sglang, vllm_router
 from loadtest.bench.config import BenchConfig
 from loadtest.bench.locust_run import LocustRun, run_locust
 from loadtest.bench.prediction import add_prediction, predict
@@ -34,6 +34,8 @@ def compare(
         for label in config.policies:
             if label == sglang.LABEL and fleet.ours:  # else the target is theirs already
                 row, run = run_behind_sglang(client, config, fleet, workload, out)
+            elif label == vllm_router.LABEL and fleet.ours:
+                row, run = run_behind_vllm_router(client, config, fleet, workload, out)
             else:
                 row, run = run_policy(client, config, fleet, label, workload, out)
             rows.append(row)
@@ -85,3 +87,19 @@ def run_behind_sglang(
     print(f"bench: starting SGLang's router in front of {len(workers)} replicas…", file=sys.stderr)
     with sglang.sglang_router(workers, log=out / f"{sglang.LABEL}.log") as router:
         return run_policy(client, config, fleet.behind(router), sglang.LABEL, workload, out)
+
+
+def run_behind_vllm_router(
+    client: httpx.Client, config: BenchConfig, fleet: Fleet, workload: Workload, out: Path
+) -> tuple[Row, LocustRun]:
+    """The same run with vLLM's router in P/D mode in front of the same prefill and
+    decode replicas, started for this row and stopped after it."""
+    prefill, decode = fleet.by_role("prefill"), fleet.by_role("decode")
+    print(
+        f"bench: starting vLLM's router (P/D) in front of {len(prefill)} prefill and "
+        f"{len(decode)} decode replicas…",
+        file=sys.stderr,
+    )
+    log = out / f"{vllm_router.LABEL}.log"
+    with vllm_router.vllm_router(prefill, decode, log=log) as router:
+        return run_policy(client, config, fleet.behind(router), vllm_router.LABEL, workload, out)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.replay import ReplayConfig
 from loadtest.workloads import Workload, WorkloadOptions, workload_for
 from replica.api.identity import DEFAULT_MODEL
 
@@ -57,6 +58,9 @@ class BenchConfig:
     #: Whether clients send each session's id as its key (``x-session-id``).
     session_keys: bool = False
     progress: bool = True
+    #: The objectives of goodput, live and in the replay beside it (ReplayConfig's).
+    slo_ttft_s: float = ReplayConfig.slo_ttft_s
+    slo_itl_s: float = ReplayConfig.slo_itl_s
 
     def chat_config(self) -> dict[str, Any]:
         return {**BENCH_CHAT, **self.chat, "seed": self.seed}

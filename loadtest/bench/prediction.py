@@ -31,7 +31,13 @@ def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) 
         if twin.replicas > 1:
             return None
         policy = "round_robin"
-    twin = replace(twin, seed=config.seed, session_keys=config.session_keys)
+    twin = replace(
+        twin,
+        seed=config.seed,
+        session_keys=config.session_keys,
+        slo_ttft_s=config.slo_ttft_s,
+        slo_itl_s=config.slo_itl_s,
+    )
     return replay_row(replay(workload, twin, policy))
 
 
@@ -44,6 +50,8 @@ def add_prediction(row: Row, predicted: Row | None) -> None:
         replay_ttft_p50_s=predicted["ttft_p50_s"] if predicted else None,
         replay_ttft_p99_s=predicted["ttft_p99_s"] if predicted else None,
         replay_imbalance=predicted["imbalance"] if predicted else None,
+        replay_goodput_rps=predicted["goodput_rps"] if predicted else None,
+        replay_itl_p99_s=predicted["itl_p99_s"] if predicted else None,
         replay_prompt_tokens=predicted["prompt_tokens"] if predicted else None,
         replay_differs=(
             abs(live - expected) > REPLAY_TOLERANCE

@@ -13,7 +13,7 @@ import numpy as np
 from loadtest.bench.config import BenchConfig
 from loadtest.bench.locust_run import LocustRun
 from loadtest.bench.targets import Fleet, engine_figures, gateway_stats, replica_stats
-from loadtest.report import ROW_KEYS, Row, tier_figures
+from loadtest.report import ROW_KEYS, Row, goodput_figures, tier_figures
 from loadtest.workloads import ChatConfig, workload_kind
 from replica.api.figures import EngineFigures
 from replica.api.stats import ReplicaStats
@@ -69,7 +69,7 @@ def live_row(
         requests_per_replica=per_replica,
         models=_model_figures(before, after, _adapter_models(config)),
         requests_per_gateway=_requests_per_gateway(before, after),
-        **_client_figures(run),
+        **_client_figures(run, config),
     )
     if after.replicas:
         row.update(_hit_figures(after.replicas))
@@ -81,12 +81,15 @@ def live_row(
     return row
 
 
-def _client_figures(run: LocustRun) -> Row:
+def _client_figures(run: LocustRun, config: BenchConfig) -> Row:
     """What the clients measured (latencies, exact, from every streamed request) and
     what the run took (its time, the machine's CPUs)."""
     client = run.client
     ttft, e2e = client.get("ttft_s", []), client.get("e2e_s", [])
+    gaps = [[(gap, 1) for gap in request] for request in client.get("token_gaps", [])]
+    slos = (config.slo_ttft_s, config.slo_itl_s)
     return {
+        **(goodput_figures(ttft, gaps, run.elapsed_s, *slos) if len(gaps) == len(ttft) else {}),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),

@@ -95,6 +95,8 @@ class Fleet:
         if first is None or not all(configs):
             return self._engines_twin(profile) if profile else None
         routing = self.stats.config.routing if self.stats else ReplayConfig().routing
+        roles = [c.role for c in configs if c]
+        disaggregated = "both" not in roles  # a fleet of prefill and decode replicas
         return ReplayConfig(
             replicas=len(configs),
             capacity_blocks=first.num_blocks,
@@ -108,7 +110,14 @@ class Fleet:
             compute_scale=first.speedup,  # simulated time runs this much faster
             fleet=_models_fleet([c.model for c in configs if c]),
             max_loras=first.max_loras,
+            prefill=roles.count("prefill") if disaggregated else 0,
+            decode=roles.count("decode") if disaggregated else 0,
+            kv_hold_s=first.kv_hold_s,
         )
+
+    def by_role(self, role: str) -> list[str]:
+        """The URLs of our replicas in ``role``."""
+        return [url for url, config in self.replicas.items() if config and config.role == role]
 
     def _engines_twin(self, profile: str) -> ReplayConfig | None:
         """vLLM servers behind our gateway, as simulated engines timed by ``profile``,

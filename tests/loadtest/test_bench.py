@@ -156,3 +156,26 @@ def test_bench_against_a_plain_openai_server_runs_one_labelled_policy(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = check_report(tmp_path, ["one_server"])
     assert row["replicas"] == 1 and row["imbalance"] == 1.0
+
+
+def test_bench_puts_vllms_pd_router_beside_ours_on_a_disaggregated_fleet(tmp_path):
+    replica = ["replica", "--speedup", "4", "--num-blocks", "1024"]
+    roles = ([*replica, "--role", "prefill"], [*replica, "--role", "decode"])
+    with running(*roles) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with running(gateway) as (url,):
+            policies = "cache_aware,pd_conditional,vllm_router_pd"
+            done = bench(tmp_path, "--gateway", url, "--policies", policies)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "goodput (TTFT <= 2.0 s" in done.stdout
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r["label"] for r in rows] == policies.split(",")
+    for row in rows:
+        assert row["requests"] == expected_requests() and row["failures"] == 0
+        assert row["goodput_rps"] > 0 and 0 < row["slo_attainment"] <= 1
+        assert 0 < row["itl_p50_s"] <= row["itl_p99_s"]
+    ours, conditional, theirs = rows
+    for row in (ours, conditional):  # beside its twin: a 1P1D fleet in replay
+        assert abs(row["token_hit_rate"] - row["replay_token_hit_rate"]) <= LIVE_REPLAY_GAP
+        assert row["replay_goodput_rps"] > 0
+    assert theirs["policy"] is None and theirs["replay_goodput_rps"] is None

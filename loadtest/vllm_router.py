@@ -1,0 +1,94 @@
+"""vLLM's router (PyPI ``vllm-router``, Rust) in its P/D mode, in front of our replicas.
+
+Our replicas speak vLLM's ``kv_transfer_params`` protocol (replica/api/kv_params.py),
+so the router a vLLM user would deploy for a disaggregated fleet fronts them as it
+fronts vLLM servers: ``--vllm-pd-disaggregation`` with the prefill replicas and the
+decode ones. For each request it sends the prefill (one token, ``do_remote_decode``),
+waits for its answer, then sends the decode with the returned parameters. The bench
+runs it as one more row (label :data:`LABEL`) on the very replicas our gateway fronts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from deploy.processes import free_port
+from loadtest.router_process import router_process
+
+#: The bench's label for a row routed by vLLM's router in P/D mode.
+LABEL = "vllm_router_pd"
+
+
+@dataclass(frozen=True)
+class VLLMRouterConfig:
+    """How to run it: its policy for both pools (its own names: ``cache_aware``, its
+    default, matches prefixes in an approximate tree of what it routed)."""
+
+    policy: str = "cache_aware"
+    startup_timeout_s: float = 60.0
+    stop_timeout_s: float = 30.0
+    log_level: str = "warning"
+
+
+def command(
+    prefill: Sequence[str], decode: Sequence[str], port: int, config: VLLMRouterConfig
+) -> list[str]:
+    """Its command line; its Prometheus exporter on a free port, its workers checked
+    every second at start (its default waits 30 s between checks)."""
+    workers = [arg for url in prefill for arg in ("--prefill", url)]
+    workers += [arg for url in decode for arg in ("--decode", url)]
+    return [
+        sys.executable,
+        "-m",
+        "vllm_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        *workers,
+        "--policy",
+        config.policy,
+        "--worker-startup-check-interval",
+        "1",
+        "--log-level",
+        config.log_level,
+        "--prometheus-port",
+        str(free_port()),
+    ]
+
+
+@contextlib.contextmanager
+def vllm_router(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    config: VLLMRouterConfig | None = None,
+    log: Path | None = None,
+) -> Iterator[str]:
+    """Start vLLM's router over the ``prefill`` and ``decode`` replicas; its URL once
+    its ``/readiness`` says ready, stopped on the way out."""
+    if not prefill or not decode:
+        raise ValueError("vLLM's router in P/D mode needs prefill and decode replicas")
+    config = config or VLLMRouterConfig()
+    port = free_port()
+
+    def ready(reply: httpx.Response) -> bool:
+        return reply.status_code == 200 and reply.json().get("status") == "ready"
+
+    with router_process(
+        "vLLM's router",
+        command(prefill, decode, port, config),
+        f"http://127.0.0.1:{port}",
+        ready,
+        "/readiness",
+        config.startup_timeout_s,
+        config.stop_timeout_s,
+        log,
+    ) as url:
+        yield url
