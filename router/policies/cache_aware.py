@@ -127,12 +127,13 @@ class CacheAware(IndexedPolicy):
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self.popular_tokens(request)
         priced = self._with_session(request, replicas, matched)
+        pulls = self._pullable(replicas, matched, host) if self.config.kv.peer_pulls else {}
         whole_fleet = self.order and len(replicas) == len(self.order)
         adapter = request.adapter if self.adapter_aware else None
-        if whole_fleet and not self.prices_every_replica and adapter is None:
+        if whole_fleet and not self.prices_every_replica and adapter is None and not pulls:
             chosen = self._choose_in_fleet(request, priced, host, popular)
-        else:  # replicas full, a retry, an adapter, or a variant's price: one by one
-            chosen = self._choose_by_scan(request, replicas, priced, host, popular, adapter)
+        else:  # replicas full, a retry, an adapter, a variant's price, pulls: one by one
+            chosen = self._choose_by_scan(request, replicas, priced, host, popular, adapter, pulls)
         # the engine reports host hits as cached
         request.predicted_cached_tokens = matched.get(chosen.replica_id, 0) + host.get(
             chosen.replica_id, 0
@@ -181,8 +182,11 @@ class CacheAware(IndexedPolicy):
         host: dict[str, int],
         popular: int,
         adapter: str | None = None,
+        pulls: dict[str, int] | None = None,
     ) -> ReplicaState:
-        """Every candidate priced: the reference that the fleet path must agree with."""
+        """Every candidate priced: the reference that the fleet path must agree with
+        (``pulls``: the tokens each could pull from a peer, priced as their pull)."""
+        pulls = pulls or {}
         load_of = self._load_function(sum(r.load_requests for r in replicas), len(replicas))
         loads = [load_of(r.load_prefill_tokens, r.load_requests) for r in replicas]
         prompt = request.num_prompt_tokens
@@ -197,7 +201,7 @@ class CacheAware(IndexedPolicy):
                 load + self._adapter_cost(adapter, r)
                 for load, r in zip(loads, replicas, strict=True)
             ]
-        if not host and not any(matched.values()):
+        if not host and not any(matched.values()) and not pulls:
             ceiling = min(loads) + self._cold_slack()
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             if adapter is None:
@@ -211,9 +215,13 @@ class CacheAware(IndexedPolicy):
             load
             + (
                 self._held_cost(
-                    prompt, popular, matched.get(r.replica_id, 0), host.get(r.replica_id, 0)
+                    prompt,
+                    popular,
+                    matched.get(r.replica_id, 0),
+                    host.get(r.replica_id, 0),
+                    pulls.get(r.replica_id, 0),
                 )
-                if r.replica_id in matched or r.replica_id in host
+                if r.replica_id in matched or r.replica_id in host or r.replica_id in pulls
                 else nothing_cached
             )
             for r, load in zip(replicas, loads, strict=True)
@@ -221,10 +229,26 @@ class CacheAware(IndexedPolicy):
         best = min(costs)
         return self._pick([r for r, cost in zip(replicas, costs, strict=True) if cost == best])
 
-    def _held_cost(self, prompt: int, popular: int, gpu: int, host: int) -> float:
-        """The work of a replica holding ``gpu`` leading tokens, then ``host`` more."""
+    def _held_cost(self, prompt: int, popular: int, gpu: int, host: int, pulled: int = 0) -> float:
+        """The work of a replica holding ``gpu`` leading tokens, then ``host`` more,
+        then ``pulled`` more it could pull from a peer."""
         loading = self.config.cache_aware.host_token_cost * host if host else 0.0
-        return self._recompute_cost(prompt, popular, gpu + host) + loading
+        if pulled:  # the pull's seconds, in prefill tokens
+            loading += self.moves.pull_s(pulled) / self.moves.profile.costs.token_s
+        return self._recompute_cost(prompt, popular, gpu + host + pulled) + loading
+
+    def _pullable(
+        self, replicas: Sequence[ReplicaState], matched: dict[str, int], host: dict[str, int]
+    ) -> dict[str, int]:
+        """The tokens each candidate could pull beyond what it holds: up to the longest
+        prefix a peer's GPU holds (``--peer-pulls``)."""
+        top = max(matched.values(), default=0)
+        pulls = {}
+        for replica in replicas:
+            held = matched.get(replica.replica_id, 0) + host.get(replica.replica_id, 0)
+            if top > held:
+                pulls[replica.replica_id] = top - held
+        return pulls
 
     def _cold_slack(self) -> float:
         return self.config.cache_aware.cold_slack_tokens

@@ -152,9 +152,10 @@ class CacheAwareTTFT(CacheAware):
         ) * private
         return self._prefill_s(cached, prompt - cached) + self._token_s * reuse
 
-    def _held_cost(self, prompt: int, popular: int, gpu: int, host: int) -> float:
+    def _held_cost(self, prompt: int, popular: int, gpu: int, host: int, pulled: int = 0) -> float:
         loading = self.profile.load_time(host) if host else 0.0
-        return self._recompute_cost(prompt, popular, gpu + host) + loading
+        loading += self.moves.pull_s(pulled)
+        return self._recompute_cost(prompt, popular, gpu + host + pulled) + loading
 
     def _cold_slack(self) -> float:
         return self.config.cache_aware.cold_slack_tokens * self._token_s
