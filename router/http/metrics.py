@@ -103,6 +103,23 @@ class GatewayMetrics:
             "Requests that carried a session key.",
             self._accounting.session_requests,
         )
+        paths = CounterMetricFamily(
+            "prefix_router_requests_by_path",
+            "Requests by how their KV reached the replica that answered: local, "
+            "disaggregated (prefilled on another replica) or pulled (from a peer).",
+            labels=["path"],
+        )
+        for path, count in sorted(self._accounting.paths.items()):
+            paths.add_metric([path], count)
+        yield paths
+        roles = GaugeMetricFamily(
+            "prefix_router_backend_role",
+            "Each backend's role in a disaggregated fleet (1 for its role).",
+            labels=["replica", "role"],
+        )
+        for backend in self._pool.backends:
+            roles.add_metric([backend.state.replica_id, backend.state.role], 1)
+        yield roles
 
     def _by_policy(self) -> Iterable[Metric]:
         by_backend = self._accounting.by_backend

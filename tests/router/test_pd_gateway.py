@@ -64,6 +64,9 @@ def test_a_long_new_prompt_is_prefilled_apart_and_its_kv_pulled_by_the_decode_re
     stats = gateway_stats(url)
     assert stats.paths.get("disaggregated", 0) >= 1 and stats.paths.get("local", 0) >= 1
     assert {b.role for b in stats.backends} == {"prefill", "decode"}
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'prefix_router_requests_by_path_total{path="disaggregated"}' in metrics
+    assert f'prefix_router_backend_role{{replica="{prefill}",role="prefill"}} 1.0' in metrics
     # the next turn finds the conversation on its decode replica: prefilled in place
     messages += [body["choices"][0]["message"], {"role": "user", "content": "And briefly?"}]
     follow = chat(url, messages, stream=True)

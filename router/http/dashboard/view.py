@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from replica.api import stats as stats_codec
-from replica.api.stats import ReplicaStats
+from replica.api.stats import ReplicaStats, TransferFigures
 from router.core import ReplicaState
 from router.fleet.backends import Backend
 from router.gateway import Gateway
@@ -66,6 +66,10 @@ class ReplicaView:
     #: reported (``None``: it does not say).
     model: str | None = None
     loaded_adapters: list[str] | None = None
+    #: Its role in a disaggregated fleet, and the KV it moved as it reports (``None``:
+    #: it does not say): pulls in, tokens pulled, blocks lent, fallbacks.
+    role: str = "both"
+    transfers: TransferFigures | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +292,8 @@ def _replica_view(
         backend.approximate_reason,
         gateway.models.model_of(state) if state else backend.model,
         sorted(loaded) if loaded is not None else None,
+        backend.role,
+        own.transfers if own else None,
     )
 
 

@@ -84,7 +84,7 @@ function fillTable(selector, key, items, cellsOf) {
 
 function renderReplicas(view) {
   fillTable("#replicas", "replica", view.replicas.map((r) => [r.replica_id, r]), (r) => [
-    cell("replica_id", r.replica_id, r.replica_id + (r.healthy ? "" : " (down)"), r.healthy ? "" : "down"),
+    replicaCell(r),
     modelCell(r),
     bar(r.gpu_cached_blocks, r.gpu_blocks, "gpu"),
     bar(r.host_cached_blocks, r.host_blocks, "host"),
@@ -96,6 +96,19 @@ function renderReplicas(view) {
     cell("index_keys", r.index_keys, int(r.index_keys)),
     routing(r),
   ]);
+}
+
+// Its name, its role in a disaggregated fleet, and the KV it moved (on hover).
+function replicaCell(r) {
+  const role = r.role && r.role !== "both" ? ` (${r.role})` : "";
+  const text = r.replica_id + role + (r.healthy ? "" : " (down)");
+  const td = cell("replica_id", r.replica_id, text, r.healthy ? "" : "down");
+  const t = r.transfers;
+  if (t && (t.pulls || t.lent_blocks)) {
+    td.title = `pulled ${t.pulls} times (${t.pulled_tokens} tokens), lent ${t.lent_blocks} blocks, ` +
+      `${t.pull_fallbacks} fallbacks, ${t.hold_timeouts} holds timed out`;
+  }
+  return td;
 }
 
 // Its base model, and the adapters in its GPU slots after a "+".
