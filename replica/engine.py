@@ -63,8 +63,9 @@ class EngineConfig:
     #: Chance that the toy model ends a reply at each token, unless the request
     #: ignores EOS; 1/256 gives replies of 256 tokens on average.
     eos_probability: float = 1 / 256
-    #: How many times faster than the profile's GPU this engine computes (reference
-    #: rows use it to stand for a whole fleet's compute in one engine).
+    #: How many times faster than the profile's hardware this engine runs: its steps,
+    #: host loads and pulls (reference rows use it to stand for a whole fleet's compute
+    #: in one engine; a live replica's ``speedup`` slows all of it alike).
     compute_scale: float = 1.0
     seed: int = 0
     #: Blocks of the host-memory tier (0: none) and its link ("": the profile's).
@@ -269,7 +270,7 @@ class Engine:
         local = len(self.cache.match(seq.block_hashes[:lent], bytes(seq.token_bytes)))
         if lent <= local:
             return False
-        seconds = self.cost.transfer_time((lent - local) * size, self.peer_link)
+        seconds = self._pull_s((lent - local) * size)
         ends = max(now, self._link_free_s) + seconds  # one pull at a time per link
         self._link_free_s = ends
         seq.pulled_blocks = lent
@@ -283,7 +284,11 @@ class Engine:
 
     def pull_would_end_s(self, tokens: int) -> float:
         """When a pull of ``tokens`` started now would end (after those under way)."""
-        return max(self.now, self._link_free_s) + self.cost.transfer_time(tokens, self.peer_link)
+        return max(self.now, self._link_free_s) + self._pull_s(tokens)
+
+    def _pull_s(self, tokens: int) -> float:
+        """A pull's seconds, as fast as the replica runs (as its host loads are)."""
+        return self.cost.transfer_time(tokens, self.peer_link) / self.config.compute_scale
 
     def pull_end_s(self, request_id: str) -> float | None:
         """When the pull of a request added with ``pull_tokens`` ends (``None``: none

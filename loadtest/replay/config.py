@@ -35,7 +35,8 @@ class ReplayConfig:
     routing: PolicyConfig = field(default_factory=PolicyConfig)
     #: Decode iterations an engine may plan per event (exact: see ``Engine.plan_burst``).
     max_burst_steps: int = 64
-    #: Each engine computes this many times faster than its profile's GPU.
+    #: Each engine runs this many times faster than its profile's hardware (its steps,
+    #: host loads and pulls: the twin of a live replica's ``speedup``).
     compute_scale: float = 1.0
     #: Host-memory KV blocks under each replica's GPU blocks (0: none), and their link.
     host_blocks: int | None = field(default=None, metadata={"derived": "the profile's host"})
