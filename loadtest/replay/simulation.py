@@ -6,6 +6,7 @@ next, from its arrival to its end; no room calls back into it:
 - the clock and its events (events.py), and when sessions' turns arrive (``_Sessions``);
 - the routers (routers.py) and a request's way through one (routing.py);
 - the engines (engines.py), and what the routers hear from them (reports.py);
+- the KV that moves between them: prefill legs, holds and pulls (transfers.py);
 - a fleet that grows and shrinks (scaling.py), and what is measured (metrics.py).
 """
 
@@ -30,10 +31,10 @@ from loadtest.replay.request import TurnRequest
 from loadtest.replay.result import ReplayResult
 from loadtest.replay.routers import Routers
 from loadtest.replay.scaling import Scaling
+from loadtest.replay.transfers import Transfers
 from loadtest.workloads import Session, Workload
-from replica.api.identity import block_hashes, identity_seed
 from replica.engine import Engine, EngineRequest, RequestOutput, StepResult
-from router.core import KVPlan, ReplicaState
+from router.core import ReplicaState
 
 
 class Simulation:
@@ -65,6 +66,7 @@ class Simulation:
         request_s = engines[0].cost.request_s
         self.metrics = Metrics(workload, config.model, config.block_size, request_s)
         self.scaling = Scaling(config, self.events, self.engines, self.routers)
+        self.transfers = Transfers(self.engines, self.events, config)
         self.sessions = _Sessions(workload, self.events, request_s)
         self._on_request_done = on_request_done or (lambda: None)
         self._in_flight: dict[str, TurnRequest] = {}
@@ -113,12 +115,13 @@ class Simulation:
         if plan is not None and plan.prefill is not None:
             record.path, record.prefill_replica = plan.path, router.states.index(plan.prefill)
             self._send_prefill(request, session, record.prefill_replica)
-            return
-        if plan is not None and plan.pull_from is not None:
+        elif plan is not None and plan.pull_from is not None:
             source = router.states.index(plan.pull_from)
-            self._send(request, session, index, self._pull(request, session, source, plan), source)
-            return
-        self._send(request, session, index)
+            lent = self.transfers.peer(request, session, source, plan.pull_tokens)
+            record.path, record.pull_fallback = plan.path, lent < plan.pull_tokens
+            self._send(request, session, index, lent, source)
+        else:
+            self._send(request, session, index)
 
     def _send(
         self,
@@ -127,92 +130,61 @@ class Simulation:
         index: int,
         pull: int = 0,
         source: int | None = None,
-        prefilled_elsewhere: bool = False,
+        disaggregated: bool = False,
     ) -> None:
-        """Queue the request (its decode leg, if disaggregated) on engine ``index``,
+        """Queue the request (its decode leg, if ``disaggregated``) on engine ``index``,
         with ``pull`` leading tokens to pull from engine ``source`` first."""
-        record = self.metrics.records[request.request_id]
         turn = session.turns[request.turn]
-        try:
-            engine_request = EngineRequest(
-                request.request_id,
-                request.prompt,
-                turn.max_tokens,
-                ignore_eos=True,
-                cache_salt=session.cache_salt,
-                lora=session.adapter,
-                pull_tokens=pull,
-                prefilled_elsewhere=prefilled_elsewhere,
-            )
-            self.engines.submit(index, engine_request)
-        except ValueError as error:
-            record.error = str(error)
-            self._finish(request)
-            return
-        self._in_flight[request.request_id] = request
-        self.routers[request.router].dispatched(request, index)
-        if source is not None:  # the lender unpins the blocks once the pull has read them
-            ends = self.engines[index].pull_end_s(request.request_id) or self.events.now
-            self.engines[source].lend(self._lease_id(request, source), [], ends)
-        self.engines.wake(index)
-
-    def _lease_id(self, request: TurnRequest, source: int) -> str:
-        record = self.metrics.records[request.request_id]
-        suffix = "prefill" if record.prefill_replica == source else "pull"
-        return f"{request.request_id}/{suffix}"
-
-    def _send_prefill(self, request: TurnRequest, session: Session, index: int) -> None:
-        """A disaggregated request's prefill leg: its first token on engine ``index``,
-        its prompt's blocks held there for the decode replica (vLLM's
-        ``do_remote_decode``)."""
-        leg = EngineRequest(
-            f"{request.request_id}/prefill",
+        engine_request = EngineRequest(
+            request.request_id,
             request.prompt,
-            1,
+            turn.max_tokens,
             ignore_eos=True,
             cache_salt=session.cache_salt,
             lora=session.adapter,
-            hold_s=self.config.kv_hold_s,
+            pull_tokens=pull,
+            prefilled_elsewhere=disaggregated,  # the prefill's engine counted its prompt
         )
-        try:
-            self.engines.submit(index, leg)
-        except ValueError as error:
-            self.metrics.records[request.request_id].error = str(error)
-            self._finish(request)
+        if not self._submitted(request, index, engine_request):
+            return
+        self._in_flight[request.request_id] = request
+        self.routers[request.router].dispatched(request, index)
+        if source is not None:
+            self.transfers.pulled(request, source, index, disaggregated)
+        self.engines.wake(index)
+
+    def _send_prefill(self, request: TurnRequest, session: Session, index: int) -> None:
+        """A disaggregated request's prefill leg, to engine ``index``."""
+        leg = self.transfers.prefill_leg(request, session)
+        if not self._submitted(request, index, leg):
             return
         self._prefills[leg.request_id] = request
         self.routers[request.router].dispatched(request, index, leg=True)
         self.engines.wake(index)
 
+    def _submitted(self, request: TurnRequest, index: int, engine_request: EngineRequest) -> bool:
+        """Queue it on engine ``index``; a request it can never take fails, recorded."""
+        try:
+            self.engines.submit(index, engine_request)
+        except ValueError as error:
+            self.metrics.records[request.request_id].error = str(error)
+            self._finish(request)
+            return False
+        return True
+
     def _prefill_done(self, index: int, output: RequestOutput) -> None:
         """A prefill leg's first token: its decode leg goes, to pull what it held."""
         request = self._prefills.pop(output.request_id)
-        session = self.workload.sessions[request.session]
         record = self.metrics.records[request.request_id]
         record.prefilled_s, record.cached_tokens = self.events.now, output.num_cached_tokens
         self.routers[request.router].completed(request, index, output, leg=True)
         block = self.config.block_size
         full = (len(request.prompt) - 1) // block * block
         request.routing.predicted_cached_tokens = full  # the decode replica pulls them
-        lent = self._lend(index, output.request_id, [])
-        record.pull_fallback = lent * block < full  # the hold timed out, say
-        self._send(request, session, record.replica, lent * block, index, prefilled_elsewhere=True)
-
-    def _pull(self, request: TurnRequest, session: Session, source: int, plan: KVPlan) -> int:
-        """Tokens engine ``source`` lends the request to pull, as planned."""
-        record = self.metrics.records[request.request_id]
-        seed = identity_seed(session.served_name or self.config.model, session.cache_salt)
-        hashes = block_hashes(request.prompt[: plan.pull_tokens], self.config.block_size, seed)
-        lent = self._lend(source, f"{request.request_id}/pull", hashes)
-        record.path = plan.path
-        record.pull_fallback = lent < len(hashes)  # evicted since the router last heard
-        return lent * self.config.block_size
-
-    def _lend(self, source: int, lease_id: str, hashes: list[int]) -> int:
-        """Blocks engine ``source`` lends under ``lease_id``, pinned for the hold time
-        (until the pull's end, once the receiver has timed it: :meth:`_send`)."""
-        engine = self.engines[source]
-        return engine.lend(lease_id, hashes, self.events.now + self.config.kv_hold_s)
+        lent = self.transfers.held(request, index)
+        record.pull_fallback = lent < full  # the hold timed out, say
+        session = self.workload.sessions[request.session]
+        self._send(request, session, record.replica, lent, index, disaggregated=True)
 
     def _step_ended(self, index: int, ended: StepResult | PlannedBurst) -> None:
         result = self.engines.ended(index, ended)
