@@ -442,9 +442,15 @@ def _flags(rows: Sequence[Row], replayed: bool) -> list[str]:
             lines.append(f"- **{row['label']}**: {row['failures']} requests failed.")
         client, engine = row.get("client_cached_tokens"), row.get("cached_tokens")
         if client is not None and engine is not None and client != engine:
+            why = (
+                "the decode replicas report the prompt they pulled as cached, as vLLM "
+                "does; the engines count the hits where each prompt was prefilled"
+                if row.get("pulled_tokens")
+                else "requests cut off at the end of the run?"
+            )
             lines.append(
                 f"- **{row['label']}**: clients saw {client} cached tokens, the engines "
-                f"counted {engine} (requests cut off at the end of the run?)."
+                f"counted {engine} ({why})."
             )
     return [*lines, ""]
 
@@ -468,7 +474,7 @@ def _replay_lines(rows: Sequence[Row], replayed: bool) -> list[str]:
     if unknown:
         why = (
             "the target has no simulated twin (not every replica is one of ours, or "
-            "several replicas behind a router the bench cannot configure)"
+            "several replicas behind a router whose algorithm the replay does not have)"
             if replayed
             else "the replay was skipped (--no-replay)"
         )

@@ -78,7 +78,17 @@ def live_row(
     else:
         row.update(_client_hit_figures(run.client))
     row.update(_event_latency(after))
+    row["pulled_tokens"] = _pulled_tokens(before, after)
     return row
+
+
+def _pulled_tokens(before: Snapshot, after: Snapshot) -> int | None:
+    """Prompt tokens our replicas pulled from one another during the run (``None``:
+    none of them is ours)."""
+    if not after.replicas:
+        return None
+    earlier = {r.pid: r.transfers.pulled_tokens for r in before.replicas}
+    return sum(r.transfers.pulled_tokens - earlier.get(r.pid, 0) for r in after.replicas)
 
 
 def _client_figures(run: LocustRun, config: BenchConfig) -> Row:
