@@ -72,10 +72,11 @@ class ReplayConfig:
     #: of ``replicas``.
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     replica_startup_s: float = 30.0
-    #: A disaggregated fleet: ``prefill`` replicas that prefill and ``decode`` ones that
+    #: A disaggregated fleet: this many replicas that prefill, and ``decode`` that
     #: decode (both 0: every replica does both); either set, ``replicas`` is their sum.
     #: The P/D policies (``pd_*``) read the roles, the others route to every replica.
     prefill: int = 0
+    #: The disaggregated fleet's replicas that decode (see ``prefill``).
     decode: int = 0
     #: Seconds a prefill replica holds a prompt's blocks for the decode replica's pull.
     kv_hold_s: float = 30.0

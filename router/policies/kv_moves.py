@@ -23,8 +23,9 @@ class KVConfig:
     #: The link between replicas, as the engines' (``--peer-link``): nvlink, rdma200,
     #: rdma400, tcp or GB/s.
     peer_link: str = "rdma200"
-    #: Whether a cache-aware policy has the replica it chose pull the prefix a peer
-    #: holds beyond its own, where the pull beats computing it.
+    #: Whether cache-aware policies weigh pulling the prefix a peer holds (the pull's
+    #: seconds) against going where it is cached or computing it, and have the replica
+    #: they choose pull it where that beats computing it.
     peer_pulls: bool = False
     #: Conditional disaggregation prefills a request in place on its decode replica
     #: when at most this many of its tokens are uncached there (vLLM's P/D design: 256).
