@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from deploy.engines import deployment_of
 from deploy.replicas import EngineSpec
-from replica.api.config import ReplicaConfig
+from replica.vllm_server import VLLMConfig
 
 FLEET_HELP = (
     "repeatable: N replicas serving MODEL (and, on the simulated engine, these LoRA "
@@ -44,8 +44,9 @@ def parse_entry(text: str) -> FleetEntry:
 
 
 PD_HELP = (
-    "a disaggregated fleet of simulated replicas: N that prefill and M that decode, in "
-    "place of --replicas (route it with --policy pd_conditional, pd_always or pd_blind)"
+    "a disaggregated fleet: N replicas that prefill and M that decode, in place of "
+    "--replicas (route it with --policy pd_conditional, pd_always or pd_blind; vLLM's "
+    "need a KV connector: --engine-arg='--kv-transfer-config ...')"
 )
 
 
@@ -58,7 +59,8 @@ def fleet_engines(
 ) -> list[EngineSpec]:
     """One engine per replica: ``replicas`` copies of ``engine`` without ``--fleet``,
     else each entry's count of ``engine`` serving its model (and adapters); with
-    ``prefill`` or ``decode``, that many prefill replicas, then that many decode ones."""
+    ``prefill`` or ``decode``, that many prefill replicas, then that many decode ones
+    (vLLM's with the KV connector its flags give)."""
     if prefill or decode:
         return _disaggregated(entries, engine, prefill, decode)
     if not entries:
@@ -80,10 +82,11 @@ def _disaggregated(
 ) -> list[EngineSpec]:
     if entries:
         raise ValueError("--prefill and --decode deploy one model, not a --fleet")
-    if not isinstance(engine, ReplicaConfig):
+    if isinstance(engine, VLLMConfig) and "--kv-transfer-config" not in engine.engine_args:
         raise ValueError(
-            "--prefill and --decode deploy simulated replicas; start vLLM servers with a "
-            "--kv-transfer-config and give them to a gateway as --backend URL,role=prefill"
+            "a disaggregated fleet of vLLM servers moves its KV through a KV connector: "
+            "give it with --engine-arg='--kv-transfer-config {...}' (docs/vllm.md has one "
+            "that runs on CPUs)"
         )
     if prefill < 0 or decode < 0 or not prefill + decode:
         raise ValueError("--prefill and --decode take counts, at least one of them positive")

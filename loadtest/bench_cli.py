@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -319,7 +320,8 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
                 f"--engine {args.engine} needs --model PATH, the model folder to serve"
             )
         engine = ["--engine", args.engine, "--model", args.model]
-        return [*engine, *(f"--engine-arg={arg}" for arg in engine_args(args)), *more]
+        # each word quoted: serve splits its --engine-arg values as a shell would
+        return [*engine, *(f"--engine-arg={shlex.quote(arg)}" for arg in engine_args(args)), *more]
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")
     if workload_kind(args.workload).chat:
         overrides.setdefault("num_blocks", bench.BENCH_REPLICA_BLOCKS)

@@ -27,12 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from replica.api.card import EngineCard, vllm_card
+from replica.api.config import ROLES
 from replica.api.stats import KVEventsEndpoint
 
 KV_TOPIC = "kv-events"
@@ -104,10 +105,15 @@ class VLLMConfig:
     #: prompts on two servers and two cores 2.7 times slower; and sharing every core,
     #: a server given all the traffic ran faster than two given half each.
     cpus: tuple[int, ...] = ()
+    #: Its role in a disaggregated fleet (``both``, ``prefill``, ``decode``): what its
+    #: card says, since vLLM does not (its KV connector is among ``engine_args``).
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a vLLM replica needs a model (--model PATH)")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
         if any(cpu < 0 for cpu in self.cpus):
@@ -275,7 +281,7 @@ class VLLMServer:
         card = vllm_card(self.url, metrics, models, self.kv_events, pid)
         if card is None:
             raise RuntimeError(f"{self.url}/metrics has no vllm:cache_config_info")
-        return card
+        return replace(card, role=self.config.role)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to its guard (vLLM shuts down, then the guard ends its group), SIGKILL

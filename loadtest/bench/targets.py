@@ -116,7 +116,10 @@ class Fleet:
         )
 
     def by_role(self, role: str) -> list[str]:
-        """The URLs of our replicas in ``role``."""
+        """The URLs of the replicas in ``role``, as our gateway knows them (from their
+        cards, or as it was told), else as our replicas say."""
+        if self.stats is not None:
+            return [b.url for b in self.stats.backends if b.role == role]
         return [url for url, config in self.replicas.items() if config and config.role == role]
 
     def _engines_twin(self, profile: str) -> ReplayConfig | None:
@@ -129,8 +132,12 @@ class Fleet:
         if block_size is None:  # unknown, or several: no one twin
             return None
         config = self.stats.config
+        roles = [b.role for b in self.stats.backends]
+        disaggregated = "both" not in roles
         return ReplayConfig(
             replicas=len(self.stats.backends),
+            prefill=roles.count("prefill") if disaggregated else 0,
+            decode=roles.count("decode") if disaggregated else 0,
             profile=profile,
             max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS,

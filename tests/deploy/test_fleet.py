@@ -48,7 +48,10 @@ def test_a_disaggregated_fleet_is_its_prefill_replicas_then_its_decode_ones():
     engines = fleet_engines([], 4, ReplicaConfig(speedup=5), prefill=1, decode=2)
     assert [e.role for e in engines] == ["prefill", "decode", "decode"]
     assert {e.speedup for e in engines} == {5}
-    with pytest.raises(ValueError, match="simulated"):
+    with pytest.raises(ValueError, match="KV connector"):
         fleet_engines([], 1, VLLMConfig("m"), prefill=1, decode=1)
+    connected = VLLMConfig("m", ("--kv-transfer-config", "{}"))
+    vllm = fleet_engines([], 1, connected, prefill=1, decode=1)
+    assert [e.role for e in vllm] == ["prefill", "decode"]
     with pytest.raises(ValueError, match="fleet"):
         fleet_engines(["m=1"], 1, ReplicaConfig(), prefill=1, decode=1)
