@@ -9,7 +9,6 @@ and the same calls, it produces the same tokens and the same durations.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from replica.api.cost_model import (
 from replica.api.identity import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, BlockHasher, identity_seed
 from replica.api.tokenizer import ByteTokenizer, Tokenizer
 from replica.host_cache import HostCache
-from replica.kv_transfer import Leases, TransferStats
+from replica.kv_transfer import Leases, Pulls, TransferStats
 from replica.lora import AdapterSlots
 from replica.prefix_cache import CacheStats, PrefixCache
 from replica.sampling import biased_token, unbiased_share
@@ -210,10 +209,7 @@ class Engine:
         self.peer_link: HostLink = get_peer_link(self.config.peer_link)
         self.transfers = TransferStats()
         self.leases = Leases(self.cache, self.transfers)
-        #: Requests whose pull is under way: (when it ends, order, request), a heap.
-        self._pulling: list[tuple[float, int, Sequence]] = []
-        self._pull_ends: dict[str, float] = {}
-        self._link_free_s = 0.0
+        self.pulls = Pulls(self._pull_s, self.transfers)
         self.now = 0.0
         self.busy_s = 0.0
         self.num_steps = 0
@@ -252,9 +248,7 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        if self._pull_ends.pop(request_id, None) is not None:  # never queued: nothing held
-            self._pulling = [entry for entry in self._pulling if entry[2] is not seq]
-            heapq.heapify(self._pulling)
+        if self.pulls.drop(seq):  # never queued: nothing held
             seq.status, seq.finish_reason = Status.FINISHED, FinishReason.ABORT
             return True
         self.scheduler.finish(seq, FinishReason.ABORT)
@@ -270,21 +264,13 @@ class Engine:
         local = len(self.cache.match(seq.block_hashes[:lent], bytes(seq.token_bytes)))
         if lent <= local:
             return False
-        seconds = self._pull_s((lent - local) * size)
-        ends = max(now, self._link_free_s) + seconds  # one pull at a time per link
-        self._link_free_s = ends
         seq.pulled_blocks = lent
-        heapq.heappush(self._pulling, (ends, len(self._pull_ends), seq))
-        self._pull_ends[seq.request_id] = ends
-        stats = self.transfers
-        stats.pulls += 1
-        stats.pulled_tokens += (lent - local) * size
-        stats.pull_s += seconds
+        self.pulls.start(seq, (lent - local) * size, now)
         return True
 
     def pull_would_end_s(self, tokens: int) -> float:
         """When a pull of ``tokens`` started now would end (after those under way)."""
-        return max(self.now, self._link_free_s) + self._pull_s(tokens)
+        return self.pulls.would_end_s(tokens, self.now)
 
     def _pull_s(self, tokens: int) -> float:
         """A pull's seconds, as fast as the replica runs (as its host loads are)."""
@@ -293,19 +279,12 @@ class Engine:
     def pull_end_s(self, request_id: str) -> float | None:
         """When the pull of a request added with ``pull_tokens`` ends (``None``: none
         under way)."""
-        return self._pull_ends.get(request_id)
+        return self.pulls.end_of(request_id)
 
     @property
     def next_pull_s(self) -> float | None:
         """When the first pull under way ends: an idle engine's driver wakes it then."""
-        return self._pulling[0][0] if self._pulling else None
-
-    def _queue_pulled(self) -> None:
-        """Queue the requests whose pulls have ended, in the order they ended."""
-        while self._pulling and self._pulling[0][0] <= self.now:
-            _, _, seq = heapq.heappop(self._pulling)
-            del self._pull_ends[seq.request_id]
-            self.scheduler.add(seq)
+        return self.pulls.next_end_s
 
     def lend(self, lease_id: str, block_hashes: list[int], until_s: float) -> int:
         """Pin, until ``until_s``, the blocks a peer will pull: those held for
@@ -316,7 +295,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pulling)
+        return self.scheduler.has_unfinished or bool(self.pulls)
 
     @property
     def num_running(self) -> int:
@@ -326,7 +305,7 @@ class Engine:
     def num_waiting(self) -> int:
         """Requests queued, those whose pull is under way among them (as vLLM counts
         its requests waiting for remote KV)."""
-        return len(self.scheduler.waiting) + len(self._pulling)
+        return len(self.scheduler.waiting) + len(self.pulls)
 
     @property
     def free_blocks(self) -> int:
@@ -344,7 +323,7 @@ class Engine:
             for seq in queue
         )
         return queued + sum(
-            seq.num_prompt_tokens - seq.pulled_blocks * pulled for _, _, seq in self._pulling
+            seq.num_prompt_tokens - seq.pulled_blocks * pulled for seq in self.pulls
         )
 
     # --------------------------------------------------------------------- time
@@ -357,7 +336,8 @@ class Engine:
         """Run one iteration; an idle engine returns an empty result of zero duration
         (as does one whose only requests are pulling their KV: see :attr:`next_pull_s`)."""
         self.leases.expire(self.now)
-        self._queue_pulled()
+        for seq in self.pulls.ended(self.now):  # their pulls done: they queue now
+            self.scheduler.add(seq)
         chunks = self.scheduler.schedule()
         batch = batch_shape(chunks, self.adapters.take_loads())
         duration = self.cost.step_time(batch, self.link) / self.config.compute_scale
@@ -425,8 +405,8 @@ class Engine:
         durations = [d / scale for d in self.cost.decode_step_times(len(running), context, steps)]
         batch = BatchShape(decode_seqs=len(running), decode_context_tokens=context)
         burst = Burst(self.now, list(accumulate(durations)), batch, drawn)
-        if self._pulling:  # a pulled request joins after the iteration its pull ends in
-            steps = burst.steps_past(self._pulling[0][0])
+        if (pull_ends := self.pulls.next_end_s) is not None:  # it joins after that iteration
+            steps = burst.steps_past(pull_ends)
             burst = Burst(self.now, burst.elapsed[:steps], batch, drawn)
         return burst if burst.max_steps >= 2 else None
 

@@ -18,9 +18,12 @@ virtual time).
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from replica.prefix_cache import Block, PrefixCache
+from replica.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -98,3 +101,59 @@ class Leases:
                 break
             blocks.append(block)
         return blocks
+
+
+class Pulls:
+    """The requests pulling their KV into an engine, by when each pull ends: one pull
+    at a time over the engine's link (``pull_s``: a pull's seconds for its tokens)."""
+
+    def __init__(self, pull_s: Callable[[int], float], stats: TransferStats) -> None:
+        self._pull_s, self._stats = pull_s, stats
+        self._heap: list[tuple[float, int, Sequence]] = []
+        self._ends: dict[str, float] = {}
+        self._link_free_s = 0.0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (seq for _, _, seq in self._heap)
+
+    def start(self, seq: Sequence, tokens: int, now: float) -> None:
+        """Pull ``tokens`` for ``seq`` from ``now``, after the pulls ahead on the link."""
+        seconds = self._pull_s(tokens)
+        ends = self.would_end_s(tokens, now)
+        self._link_free_s = ends
+        self._count += 1
+        heapq.heappush(self._heap, (ends, self._count, seq))
+        self._ends[seq.request_id] = ends
+        self._stats.pulls += 1
+        self._stats.pulled_tokens += tokens
+        self._stats.pull_s += seconds
+
+    def would_end_s(self, tokens: int, now: float) -> float:
+        """When a pull of ``tokens`` started at ``now`` would end."""
+        return max(now, self._link_free_s) + self._pull_s(tokens)
+
+    def end_of(self, request_id: str) -> float | None:
+        return self._ends.get(request_id)
+
+    @property
+    def next_end_s(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def ended(self, now: float) -> Iterator[Sequence]:
+        """The requests whose pulls have ended by ``now``, in the order they ended."""
+        while self._heap and self._heap[0][0] <= now:
+            _, _, seq = heapq.heappop(self._heap)
+            del self._ends[seq.request_id]
+            yield seq
+
+    def drop(self, seq: Sequence) -> bool:
+        """Forget ``seq``'s pull (aborted); ``False`` if it has none under way."""
+        if self._ends.pop(seq.request_id, None) is None:
+            return False
+        self._heap = [entry for entry in self._heap if entry[2] is not seq]
+        heapq.heapify(self._heap)
+        return True

@@ -66,21 +66,10 @@ class Replica:
         lora = self._adapter(body.model)
         chat = isinstance(body, api.ChatCompletionRequest)
         request_id = api.new_id("chatcmpl" if chat else "cmpl")
-        transfer = kv_params.parse(body.kv_transfer_params)
-        if transfer is not None and len(prompts) * body.n != 1:
-            raise api.Rejected("kv_transfer_params take one prompt and n=1", 400, "n")
-        if isinstance(transfer, kv_params.RemoteDecode) and body.stream:
-            raise api.Rejected("do_remote_decode takes a whole answer (stream false)", 400)
         requests = self._engine_requests(request_id, body, prompts, lora)
         extra: dict[str, object] = {}
-        if isinstance(transfer, kv_params.RemoteDecode):
-            requests = [replace(requests[0], hold_s=self.config.kv_hold_s)]
-            blocks = len(prompts[0]) // self.config.block_size
-            extra["kv_transfer_params"] = kv_params.prefill_params(base_url, request_id, blocks)
-        elif isinstance(transfer, kv_params.RemotePrefill):
-            lent = await self._borrow(transfer, requests[0])
-            elsewhere = transfer.lease_id is not None  # a P/D decode: the prefill counted it
-            requests = [replace(requests[0], pull_tokens=lent, prefilled_elsewhere=elsewhere)]
+        if body.kv_transfer_params:
+            requests, extra = await self._moving_kv(body, requests, base_url)
         try:
             streams = self._submit(requests)
         except ValueError as error:
@@ -116,6 +105,32 @@ class Replica:
             await outputs.aclose()
             raise api.Rejected(str(dead), 500) from None
         return StreamingResponse(answer.whole(outputs, pulled), media_type="application/json")
+
+    async def _moving_kv(
+        self,
+        body: api.CompletionRequest | api.ChatCompletionRequest,
+        requests: list[EngineRequest],
+        base_url: str,
+    ) -> tuple[list[EngineRequest], dict[str, object]]:
+        """A request's ``kv_transfer_params`` applied (replica/api/kv_params.py): a
+        prefill for a remote decode holds its blocks and answers with where to pull
+        them; a decode pulls them, or a peer's prefix. The engine requests, and the
+        fields its whole answer carries beside the choices."""
+        transfer = kv_params.parse(body.kv_transfer_params)
+        if transfer is None:
+            return requests, {}
+        if len(requests) != 1:
+            raise api.Rejected("kv_transfer_params take one prompt and n=1", 400, "n")
+        request = requests[0]
+        if isinstance(transfer, kv_params.RemoteDecode):
+            if body.stream:
+                raise api.Rejected("do_remote_decode takes a whole answer (stream false)", 400)
+            blocks = len(request.prompt_token_ids) // self.config.block_size
+            params = kv_params.prefill_params(base_url, request.request_id, blocks)
+            return [replace(request, hold_s=self.config.kv_hold_s)], {"kv_transfer_params": params}
+        lent = await self._borrow(transfer, request)
+        elsewhere = transfer.lease_id is not None  # a P/D decode: the prefill counted it
+        return [replace(request, pull_tokens=lent, prefilled_elsewhere=elsewhere)], {}
 
     async def _borrow(self, transfer: kv_params.RemotePrefill, request: EngineRequest) -> int:
         """The leading prompt tokens the peer lends ``request`` to pull (0: it computes
