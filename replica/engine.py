@@ -316,15 +316,13 @@ class Engine:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens of the waiting and running requests not computed yet."""
         scheduler = self.scheduler
-        pulled = self.config.block_size
+        size = self.config.block_size  # a pulled block is as good as a computed one
         queued = sum(
-            max(seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.pulled_blocks * pulled), 0)
+            max(seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.pulled_blocks * size), 0)
             for queue in (scheduler.waiting, scheduler.running)
             for seq in queue
         )
-        return queued + sum(
-            seq.num_prompt_tokens - seq.pulled_blocks * pulled for seq in self.pulls
-        )
+        return queued + sum(seq.num_prompt_tokens - seq.pulled_blocks * size for seq in self.pulls)
 
     # --------------------------------------------------------------------- time
 

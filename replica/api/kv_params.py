@@ -58,12 +58,10 @@ def parse(params: dict[str, Any] | None) -> RemoteDecode | RemotePrefill | None:
         return None
     host, port = params.get("remote_host"), params.get("remote_port")
     if not host or not port:
-        raise Rejected(
-            "do_remote_prefill needs remote_host and remote_port", 400, "kv_transfer_params"
-        )
+        raise Rejected("do_remote_prefill needs remote_host and remote_port", 400, PARAM)
     tokens = params.get("pull_tokens")
     if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
-        raise Rejected("pull_tokens must be a whole number", 400, "kv_transfer_params")
+        raise Rejected("pull_tokens must be a whole number", 400, PARAM)
     lease = params.get("remote_request_id")
     return RemotePrefill(f"http://{host}:{port}", str(lease) if lease else None, tokens)
 

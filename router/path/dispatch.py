@@ -52,7 +52,10 @@ class Dispatcher:
         backend, request = placement.backend, ticket.request
         body = ticket.body
         if placement.prefill is not None:
-            body = await self._prefilled(ticket, placement)
+            prefilled = await self._prefilled(ticket, placement)
+            if isinstance(prefilled, Response):
+                return prefilled  # the prefill replica refused it: so would the decode one
+            body = prefilled
         elif placement.pull_from is not None and request.kv is not None:
             params = kv_params.pull_params(placement.pull_from.url, request.kv.pull_tokens)
             body = with_fields(body, kv_transfer_params=params)
@@ -79,14 +82,16 @@ class Dispatcher:
             headers=decision_headers(request, backend),
         )
 
-    async def _prefilled(self, ticket: Ticket, placement: Placement) -> bytes:
+    async def _prefilled(self, ticket: Ticket, placement: Placement) -> bytes | Response:
         """A disaggregated request's prefill leg, as vLLM's P/D proxies send it (one
         token, a whole answer, ``do_remote_decode``); then the decode replica's load is
         recorded and its body returned, with the prefill's ``kv_transfer_params``.
-        Raises :class:`UpstreamFailed` if the prefill failed (the try is settled)."""
+        Raises :class:`UpstreamFailed` if the prefill replica failed; returns its answer
+        if it refused the request (a 4xx: the client's to fix). Either way the try is
+        settled."""
         request, prefill = ticket.request, placement.prefill
         assert prefill is not None
-        cached, params, failure = None, None, None
+        cached, params, failure, refused = None, None, None, None
         try:
             response = await self.client.post(
                 prefill.url + ticket.envelope.path, prefill_body(ticket.body)
@@ -101,8 +106,12 @@ class Dispatcher:
                     answer.get("kv_transfer_params"),
                     _cached_tokens(answer.get("usage")),
                 )
-            else:
+            elif response.status in RETRYABLE_STATUSES:
                 failure = f"{prefill.url} answered {response.status} to the prefill"
+            else:
+                media = response.headers.get("content-type", "application/json")
+                headers = decision_headers(request, placement.backend)
+                refused = Response(content, response.status, media_type=media, headers=headers)
         except FAILURES as error:
             self.pool.open_circuit(prefill)
             failure = f"{prefill.url} failed the prefill: {error!r}"
@@ -111,9 +120,12 @@ class Dispatcher:
         block = accounting.block_tokens
         request.predicted_cached_tokens = (request.num_prompt_tokens - 1) // block * block
         accounting.dispatched(request, placement.backend.state, policy)  # the decode leg
+        if failure is not None or refused is not None:
+            self.settlement.ended(request, placement, None, failed=failure is not None)
         if failure is not None:
-            self.settlement.ended(request, placement, None, failed=True)
             raise UpstreamFailed(failure)
+        if refused is not None:
+            return refused
         return with_fields(ticket.body, kv_transfer_params=params)
 
     def _failed(

@@ -156,4 +156,8 @@ def test_a_disaggregated_fleet_prefills_on_one_replica_and_decodes_on_the_other(
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-prefix-router-prefill"] == "replica-0"
         assert answer.headers["x-prefix-router-replica"] == "replica-1"
-        assert gateway_stats(url).paths == {"disaggregated": 1}
+        # a request the prefill replica refuses is the client's to fix: its 400, no retry
+        wrong = httpx.post(url + "/v1/chat/completions", json={**body, "top_p": 2}, timeout=60)
+        assert wrong.status_code == 400 and "top_p" in wrong.text
+        stats = gateway_stats(url)
+        assert stats.paths == {"disaggregated": 2} and stats.retries == 0
