@@ -5,7 +5,8 @@ or vLLM servers: ``deploy/replicas.py``) and, once they serve, the gateway, conf
 from what the first replica says of itself (model, tokenizer, block size), except
 where the user said otherwise: one gateway in this process, or several as Ray actors
 (``deploy/gateways.py``) sharing the port or on consecutive ports. Ctrl-C (or SIGTERM)
-stops the gateways, the replicas (a vLLM server with its files) and Ray, in that order.
+stops the gateways, the replicas (a vLLM server with its files) and Ray, in that order,
+at any moment: while they start too.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def serve(
         raise ValueError("serve needs at least one replica and one gateway")
     # The port first: a busy one fails at once, and Ray's processes cannot take it.
     sock = listening_socket(host, port) if gateways == 1 else None
-    start_local_ray()
     started = _Started()
+    signals = _Signals()
     try:
+        start_local_ray()
+        signals.install()  # ray.init sets a SIGTERM handler of its own
         started.replicas = _start_replicas(engines, host)
         cards = ready_cards(started.replicas)
         _say_replicas(cards)
@@ -82,18 +85,22 @@ def serve(
         if gateways == 1:
             _say(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})")
             app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
-            serve_http(app, host, port, sock=sock)
+            serve_http(app, host, port, sock=sock)  # uvicorn's handlers, then it re-raises
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
         fronts, started.gateways = start_gateways(gateway, host, ports, backends=len(engines))
         for url in fronts:
             _say(f"gateway: {url}/v1 (policy {gateway.policy})")
-        _wait_for_a_signal()
+        threading.Event().wait()
+    except _Interrupted:
+        pass
     finally:
+        signals.ignore()
         started.stop()
         ray.shutdown()
         if sock is not None:
             sock.close()
+        signals.restore()
 
 
 @dataclass
@@ -153,8 +160,36 @@ def describe(card: EngineCard) -> str:
     )
 
 
-def _wait_for_a_signal() -> None:
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
+class _Interrupted(Exception):
+    """Ctrl-C or SIGTERM: ``serve`` stops, whether it serves or still starts."""
+
+
+class _Signals:
+    """Ctrl-C and SIGTERM, whenever they come, end ``serve`` through its clean-up: the
+    first raises :class:`_Interrupted` where ``serve`` is (a blocking ``ray.get`` while
+    it starts, its wait or uvicorn's re-raised signal once it serves); later ones are
+    ignored, so the clean-up runs to its end and leaves no Ray behind. (Python's default
+    SIGTERM would end the process at once, skipping the clean-up.)"""
+
+    _HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._interrupting = True
+        self._previous = {signum: signal.getsignal(signum) for signum in self._HANDLED}
+        self.install()
+
+    def install(self) -> None:
+        for signum in self._HANDLED:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, *_: Any) -> None:
+        if self._interrupting:
+            self._interrupting = False
+            raise _Interrupted
+
+    def ignore(self) -> None:
+        self._interrupting = False
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

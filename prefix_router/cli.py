@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ReplicaStartError) as error:
         print(f"prefix-router {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it: no traceback
+        return 130
 
 
 if __name__ == "__main__":

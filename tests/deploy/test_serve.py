@@ -4,6 +4,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from deploy.processes import free_port, wait_until
+from deploy.processes import free_port
 from tests.shared import gateway_stats, indexed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -23,33 +24,31 @@ def ray_processes() -> set[int]:
 
 
 @contextlib.contextmanager
-def serving(*flags: str, announced: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``prefix-router serve`` with two replicas, then Ctrl-C, which must end it with
-    status 0 and leave no Ray instance behind. ``announced``: yield as soon as it
-    prints its gateway's address, as a user would paste the next command; else once
-    the gateway answers."""
+def serving(*flags: str, until: str = "gateway: ") -> Iterator[tuple[str, subprocess.Popen]]:
+    """``prefix-router serve`` with two replicas, yielded once it prints its gateways'
+    address (every gateway serves by then), as a user would paste the next command, or
+    the line starting with ``until``; then Ctrl-C, which must end it with status 0 and leave no Ray instance behind. Its
+    stderr goes to a file: a pipe nobody reads would block it once full."""
     before = ray_processes()
     port = free_port()
     serve = [sys.executable, "-m", "prefix_router", "serve", "--port", str(port)]
     command = [*serve, "--replicas", "2", "--replica-speedup", "20", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if announced:
-            assert process.stdout is not None
-            while not (line := process.stdout.readline()).startswith("gateway: "):
-                assert line, "serve ended before it printed its gateway"
-        else:
-            wait_until(url, process, timeout_s=120)
-        yield url, process
-    finally:
-        process.send_signal(signal.SIGINT)
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
-            code = process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert code == 0, process.stderr.read() if process.stderr else ""
+            assert process.stdout is not None
+            while not (line := process.stdout.readline()).startswith(until):
+                assert line, f"serve ended before it printed {until!r}"
+            yield f"http://127.0.0.1:{port}", process
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                code = process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+        stderr.seek(0)
+        assert code == 0, stderr.read()
     for _ in range(50):
         if ray_processes() <= before:
             break
@@ -58,7 +57,7 @@ def serving(*flags: str, announced: bool = False) -> Iterator[tuple[str, subproc
 
 
 def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
-    with serving(announced=True) as (url, _):  # the newcomer's path: the address, then a request
+    with serving() as (url, _):  # the newcomer's path: the address, then a request
         backends = httpx.get(url + "/stats").json()["backends"]
         assert sorted(b["replica_id"] for b in backends) == ["replica-0", "replica-1"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -72,6 +71,11 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
             for q in ("first?", "second?")
         ]
         assert replies[1].usage.prompt_tokens_details.cached_tokens > 200
+
+
+def test_ctrl_c_while_serve_starts_stops_it_as_cleanly():
+    with serving("--gateways", "2", until="2 replicas: "):
+        pass  # Ctrl-C as its gateways start: status 0 and no Ray left, all the same
 
 
 def both_indexed(url: str, timeout_s: float = 10.0) -> None:
@@ -93,12 +97,9 @@ def test_serve_with_two_gateways_shares_one_port_between_two_processes():
         pids: set[int] = set()
         for _ in range(40):  # a new connection each time: the kernel spreads them
             stats = httpx.get(url + "/stats").json()
-            if len(stats["backends"]) == 2:
-                pids.add(stats["pid"])
-            if len(pids) == 2:
-                break
-            time.sleep(0.1)
-        assert len(pids) == 2 and process.pid not in pids  # two gateway actors, each ready
+            assert len(stats["backends"]) == 2  # announced: each gateway routes to both
+            pids.add(stats["pid"])
+        assert len(pids) == 2 and process.pid not in pids  # two gateway actors
         replicas, cached = set(), []
         for question in ("first?", "second?", "third?", "fourth?"):
             reply = httpx.post(
@@ -116,7 +117,12 @@ def test_serve_with_two_gateways_shares_one_port_between_two_processes():
 def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
     fleet = ("--fleet", "llama=2:sql", "--fleet", "qwen=1", "--gateways", "2")
     with serving(*fleet) as (url, _):
-        wait_for(lambda: len(httpx.get(url + "/stats").json()["backends"]) == 3, timeout_s=30)
+        pids = set()
+        for _ in range(40):  # a new connection each time: the kernel spreads them
+            stats = httpx.get(url + "/stats").json()
+            assert len(stats["backends"]) == 3  # announced: each gateway routes to all
+            pids.add(stats["pid"])
+        assert len(pids) == 2  # both gateways answer
         serves = {
             "llama": {"replica-0", "replica-1"},
             "sql": {"replica-0", "replica-1"},
@@ -124,7 +130,6 @@ def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
         }
         models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert models == ["llama", "qwen", "sql"]
-        gateways = set()
         for turn in range(10):
             for model, replicas in serves.items():
                 body = {
@@ -136,8 +141,6 @@ def test_a_fleet_of_two_models_and_an_adapter_through_two_gateways():
                 assert reply.status_code == 200, reply.text
                 assert reply.headers["x-prefix-router-replica"] in replicas
                 assert reply.json()["model"] == model
-            gateways.add(httpx.get(url + "/stats").json()["pid"])
-        assert len(gateways) == 2  # both gateways answered
         missing = httpx.post(url + "/v1/completions", json={"model": "geo", "prompt": "hi"})
         assert missing.status_code == 404
 
