@@ -148,7 +148,7 @@ def up(
         backends=replicas,
     )
     if autoscale is not None:
-        _start_detached_scaler(autoscale, engines[0], host, fronts[0])
+        _start_detached_scaler(autoscale, engines, host, fronts[0])
     return fronts, [card.url for card in cards]
 
 
@@ -170,13 +170,13 @@ def _place_replicas(
 
 
 def _start_detached_scaler(
-    autoscale: AutoscaleConfig, engine: EngineSpec, host: str | None, gateway: str
+    autoscale: AutoscaleConfig, engines: Sequence[EngineSpec], host: str | None, gateway: str
 ) -> None:
     """The scaler, placing new replicas as ``up`` places them, outliving this process."""
     options = {"num_cpus": REPLICA_CPUS, "scheduling_strategy": "SPREAD", "lifetime": "detached"}
-    if deployment_of(engine).takes_a_device and ray.cluster_resources().get("GPU", 0):
+    if deployment_of(engines[0]).takes_a_device and ray.cluster_resources().get("GPU", 0):
         options["num_gpus"] = 1
-    start_scaler(autoscale, engine, host, gateway, options, detached=True)
+    start_scaler(autoscale, engines, host, gateway, options, detached=True)
 
 
 def stop_scaler() -> bool:

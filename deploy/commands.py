@@ -20,7 +20,7 @@ from deploy.flags import (
     config_from_args,
     config_overrides,
 )
-from deploy.fleet import FLEET_HELP, PD_HELP, fleet_engines, parse_entry
+from deploy.fleet import FLEET_HELP, PD_HELP, fleet_engines, parse_entry, scaling_text
 from deploy.replicas import EngineSpec
 from deploy.serving import serve_http
 from replica.api.config import ReplicaConfig
@@ -120,10 +120,7 @@ def run_up(args: argparse.Namespace) -> int:
     )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
     if autoscale is not None:
-        print(
-            f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
-            f"(scale-in by {autoscale.scale_in})"
-        )
+        print(scaling_text(autoscale, engines))
     for url in gateways:
         print(f"gateway: {url}/v1")
     return 0
@@ -200,21 +197,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
     """The fleet's bounds and targets, when ``--min-replicas`` and ``--max-replicas``
-    let it scale (``None``: a fixed fleet of ``--replicas``)."""
+    let it scale (``None``: a fixed fleet of ``--replicas``); a disaggregated fleet's
+    pools each start within them and scale apart."""
     config = config_from_args(AutoscaleConfig, args)
     if config.fixed:
         return None
-    if args.fleet or args.prefill or args.decode:
+    if args.fleet:
         raise ValueError(
-            "--min-replicas and --max-replicas scale a fleet of one model in one role, "
-            "not --fleet, --prefill or --decode"
+            "--min-replicas and --max-replicas scale a fleet of one model, not --fleet"
         )
     low, high = config.min_replicas, config.max_replicas
-    if not low <= args.replicas <= high:
-        raise ValueError(
-            f"--replicas {args.replicas} must lie within --min-replicas {low} "
-            f"and --max-replicas {high}"
-        )
+    pools = {"--prefill": args.prefill, "--decode": args.decode}
+    if not (args.prefill or args.decode):
+        pools = {"--replicas": args.replicas}
+    for flag, count in pools.items():
+        if not low <= count <= high:
+            raise ValueError(
+                f"{flag} {count} must lie within --min-replicas {low} and --max-replicas {high}"
+            )
     return config
 
 

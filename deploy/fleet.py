@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from deploy.engines import deployment_of
 from deploy.replicas import EngineSpec
 from replica.vllm_server import VLLMConfig
+from router.fleet.autoscaler import AutoscaleConfig
 
 FLEET_HELP = (
     "repeatable: N replicas serving MODEL (and, on the simulated engine, these LoRA "
@@ -96,3 +97,13 @@ def _disaggregated(
 
 def _serving(engine: EngineSpec, entry: FleetEntry) -> EngineSpec:
     return deployment_of(engine).serving(engine, entry.model, entry.adapters)
+
+
+def scaling_text(autoscale: AutoscaleConfig, engines: Sequence[EngineSpec]) -> str:
+    """How the fleet scales, in a line: each pool apart where it has several."""
+    pools = dict.fromkeys(engine.role for engine in engines)
+    each = f"each pool ({', '.join(pools)}) " if len(pools) > 1 else ""
+    return (
+        f"autoscaling: {each}{autoscale.min_replicas} to {autoscale.max_replicas} replicas "
+        f"(scale-in by {autoscale.scale_in})"
+    )

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from deploy.engines import deployment_of, replica_actor
+from deploy.fleet import scaling_text
 from deploy.gateways import start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
@@ -77,11 +78,8 @@ def serve(
         _say_replicas(cards)
         gateway = gateway.configured_by(cards[0], keep)
         if autoscale is not None:
-            started.scaler = start_scaler(autoscale, engines[0], host, f"http://{host}:{port}")
-            _say(
-                f"autoscaling: {autoscale.min_replicas} to {autoscale.max_replicas} replicas "
-                f"(scale-in by {autoscale.scale_in})"
-            )
+            started.scaler = start_scaler(autoscale, engines, host, f"http://{host}:{port}")
+            _say(scaling_text(autoscale, engines))
         if gateways == 1:
             _say(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})")
             app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)

@@ -9,7 +9,9 @@ sends them new prefixes, hot ones first where it replicates them). To shrink, it
 the replica to stop (``scale_in``: by the cache value a gateway's index gives it, by
 load, or at random), tells it to drain (its card says so: every gateway stops sending
 it requests within a second), waits until it holds no request, and only then stops
-it. No request is cut: the ones it held end there.
+it. No request is cut: the ones it held end there. A disaggregated fleet's pools
+(prefill, decode: each replica's card says its role) are scaled apart, each on its own
+replicas' load and signal, within the bounds, as the replayer scales them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -43,19 +46,25 @@ class FleetScaler:
     def __init__(
         self,
         config: AutoscaleConfig,
-        engine: EngineSpec,
+        engines: Sequence[EngineSpec],
         host: str | None,
         gateway_url: str,
         actor_options: dict[str, Any] | None = None,
         admin_key: str | None = None,
     ) -> None:
-        """``actor_options``: how a new replica actor is placed (Ray's ``options``)."""
-        self.config, self.engine, self.host = config, engine, host
+        """``engines``: the fleet's, whose roles are its pools (a new replica of a pool
+        runs its first engine); ``actor_options``: how a new replica actor is placed
+        (Ray's ``options``)."""
+        self.config, self.host = config, host
         self.gateway_url, self.admin_key = gateway_url, admin_key
         self.actor_options = actor_options or {"num_cpus": 0}
-        self.autoscaler = Autoscaler(config, time.monotonic)
+        self.pools: dict[str, EngineSpec] = {}
+        for engine in engines:
+            self.pools.setdefault(engine.role, engine)
+        self.autoscalers = {role: Autoscaler(config, time.monotonic, role) for role in self.pools}
         self.rng = np.random.default_rng()
         self._draining: set[str] = set()
+        self._roles: dict[str, str] = {}  # each replica's, by name, from its card
         #: The replicas it started, held: an actor lives as long as a handle to it (or
         #: for ever, detached, on a cluster).
         self._started: dict[str, Any] = {}
@@ -79,39 +88,48 @@ class FleetScaler:
         return list(self.events)
 
     async def step(self) -> None:
+        """Scale each pool once: grow it to what its autoscaler wants, or drain one."""
         serving = await self._serving()
-        loads = await asyncio.gather(*(h.load.remote() for h in serving.values()))
-        load = FleetLoad(
-            sum(x.ongoing_requests for x in loads), sum(x.queued_prefill_tokens for x in loads)
-        )
-        wanted = self.autoscaler.decide(len(serving), load)
-        if wanted > len(serving):
-            await self._grow(wanted - len(serving))
-        elif wanted < len(serving) and len(serving) > 1:
-            ongoing = {name: x.ongoing_requests for name, x in zip(serving, loads, strict=True)}
-            self._drain(await self._to_stop(serving, ongoing), serving)
+        for role, autoscaler in self.autoscalers.items():
+            pool = {name: h for name, h in serving.items() if self._roles[name] == role}
+            loads = await asyncio.gather(*(h.load.remote() for h in pool.values()))
+            load = FleetLoad(
+                sum(x.ongoing_requests for x in loads),
+                sum(x.queued_prefill_tokens for x in loads),
+            )
+            wanted = autoscaler.decide(len(pool), load)
+            if wanted > len(pool):
+                await self._grow(wanted - len(pool), role)
+            elif wanted < len(pool) and len(pool) > 1:
+                ongoing = {name: x.ongoing_requests for name, x in zip(pool, loads, strict=True)}
+                self._drain(await self._to_stop(pool, ongoing), pool)
 
     async def _serving(self) -> dict[str, Any]:
-        """The replica actors routed to (not draining), by name."""
+        """The replica actors routed to (not draining), by name; their roles known."""
         names = await asyncio.to_thread(ray.util.list_named_actors)
         wanted = sorted(
             n for n in names if n.startswith(REPLICA_PREFIX) and n not in self._draining
         )
         handles = await asyncio.gather(*(asyncio.to_thread(ray.get_actor, n) for n in wanted))
-        return dict(zip(wanted, handles, strict=True))
+        serving = dict(zip(wanted, handles, strict=True))
+        unknown = [name for name in serving if name not in self._roles]
+        cards = await asyncio.gather(*(serving[name].card.remote() for name in unknown))
+        self._roles.update((name, card.role) for name, card in zip(unknown, cards, strict=True))
+        return serving
 
-    async def _grow(self, count: int) -> None:
-        """Start ``count`` replicas under the next free names; back once they serve."""
+    async def _grow(self, count: int, role: str) -> None:
+        """Start ``count`` replicas of ``role`` under the next free names; back once
+        they serve."""
         taken = set(await asyncio.to_thread(ray.util.list_named_actors))
         names = [f"{REPLICA_PREFIX}{i}" for i in range(len(taken) + count + 1)]
         fresh = [name for name in names if name not in taken][:count]
+        engine = self.pools[role]
         handles = [
-            replica_actor(self.engine)
-            .options(name=name, **self.actor_options)
-            .remote(self.engine, self.host)
+            replica_actor(engine).options(name=name, **self.actor_options).remote(engine, self.host)
             for name in fresh
         ]
         self._started.update(zip(fresh, handles, strict=True))
+        self._roles.update(dict.fromkeys(fresh, role))
         await asyncio.gather(*(h.card.remote() for h in handles))
         for name in fresh:
             self.events.append((time.time(), "started", name))
@@ -154,6 +172,7 @@ class FleetScaler:
         await asyncio.to_thread(stop_replicas, [handle])
         self._draining.discard(name)
         self._started.pop(name, None)
+        self._roles.pop(name, None)
         self.events.append((time.time(), "stopped", name))
 
 
@@ -162,7 +181,7 @@ FleetScalerActor: Any = ray.remote(max_restarts=-1, max_task_retries=0)(FleetSca
 
 def start_scaler(
     config: AutoscaleConfig,
-    engine: EngineSpec,
+    engines: Sequence[EngineSpec],
     host: str | None,
     gateway_url: str,
     replica_options: dict[str, Any] | None = None,
@@ -174,7 +193,7 @@ def start_scaler(
     lifetime = {"lifetime": "detached"} if detached else {}
     scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
         config,
-        engine,
+        engines,
         host,
         gateway_url,
         replica_options,

@@ -84,11 +84,14 @@ def load_chart(rows: Sequence[Row], path: Path) -> None:
 
 
 def fleet_size_chart(rows: Sequence[Row], path: Path) -> None:
-    """Replicas held over the run, a step line per row that scaled."""
+    """Replicas held over the run, a step line per row that scaled (and per pool of a
+    disaggregated fleet)."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for row in rows:
         if row.get("fleet_sizes"):
             _steps(ax, row["fleet_sizes"], row["duration_s"], row["label"])
+        for role, sizes in (row.get("pool_sizes") or {}).items():
+            _steps(ax, sizes, row["duration_s"], f"{row['label']}: {role}")
     ax.set_xlabel("seconds")
     ax.set_ylabel("replicas")
     ax.set_title("The fleet's size")

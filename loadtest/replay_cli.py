@@ -357,7 +357,8 @@ def _print_tables(rows: list[Row]) -> None:
             _print_hot_sets(row)
     if any(row.get("fleet_sizes") for row in rows):
         print("\nthe fleet's size (replicas held: serving, starting or stopping):")
-        print(format_table(rows, FLEET_KEYS))
+        pools = ("prefill_peak", "decode_peak") if any("pool_sizes" in r for r in rows) else ()
+        print(format_table(rows, (*FLEET_KEYS[:3], *pools, *FLEET_KEYS[3:])))
     if any(row.get("tenants") for row in rows):
         print("\nper tenant (jain_fairness: Jain's index of their service over fair shares):")
         print(format_table(rows, ("label", "jain_fairness", "token_hit_rate", "ttft_p99_s")))

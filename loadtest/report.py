@@ -97,6 +97,7 @@ def replay_row(result: ReplayResult, label: str | None = None) -> Row:
         "replica_hours": result.replica_hours,
         "replicas_peak": max((n for _, n in result.fleet_sizes), default=result.config.replicas),
         "fleet_sizes": [[t, n] for t, n in result.fleet_sizes] if result.scale_events else None,
+        **_pool_figures(result),
         "hot_sets": hot_set_figures(result.hot_set_changes),
         **adapter_figures(result),
         "models": model_figures(done),
@@ -373,6 +374,17 @@ def replay_prediction_accuracy(done: Sequence[RequestRecord], tolerance: int) ->
         return None
     close = sum(abs(r.predicted_cached_tokens - r.cached_tokens) < tolerance for r in predicted)  # type: ignore[operator]
     return close / len(predicted)
+
+
+def _pool_figures(result: ReplayResult) -> Row:
+    """A scaling P/D fleet's pools: each one's peak and its size over the run."""
+    if not (result.scale_events and result.pool_sizes):
+        return {}
+    pools = result.pool_sizes
+    return {
+        **{f"{role}_peak": max(n for _, n in sizes) for role, sizes in pools.items()},
+        "pool_sizes": {role: [[t, n] for t, n in sizes] for role, sizes in pools.items()},
+    }
 
 
 def _shared_prefix_hit_rate(done: Sequence[RequestRecord], block_size: int) -> float | None:

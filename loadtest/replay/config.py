@@ -67,9 +67,9 @@ class ReplayConfig:
     #: where it holds F of the GPU blocks (a key's ``budget=F``: router/fair/cache_budget.py).
     cache_budgets: str = ""
     #: A fleet that grows and shrinks (router/fleet/autoscaler.py): it starts at ``replicas``
-    #: (within the bounds), and a replica asked for serves ``replica_startup_s`` later
-    #: (its engine loading the model). ``min_replicas == max_replicas``: a fixed fleet
-    #: of ``replicas``.
+    #: (within the bounds; a P/D fleet's pools each within them, each scaled apart), and
+    #: a replica asked for serves ``replica_startup_s`` later (its engine loading the
+    #: model). ``min_replicas == max_replicas``: a fixed fleet of ``replicas``.
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     replica_startup_s: float = 30.0
     #: A disaggregated fleet: this many replicas that prefill, and ``decode`` that
@@ -93,8 +93,11 @@ class ReplayConfig:
         if self.prefill < 0 or self.decode < 0:
             raise ValueError("prefill and decode must not be negative")
         if self.prefill or self.decode:
-            if self.fleet or not self.autoscale.fixed:
-                raise ValueError("a P/D fleet (prefill, decode) serves one model, fixed in size")
+            if self.fleet:
+                raise ValueError("a P/D fleet (prefill, decode) serves one model")
+            if not self.autoscale.fixed:  # each pool starts within the bounds
+                object.__setattr__(self, "prefill", self._bounded(self.prefill))
+                object.__setattr__(self, "decode", self._bounded(self.decode))
             object.__setattr__(self, "replicas", self.prefill + self.decode)
         if self.kv_hold_s < 0 or self.slo_ttft_s <= 0 or self.slo_itl_s <= 0:
             raise ValueError("kv_hold_s must not be negative, the SLOs must be positive")
@@ -113,15 +116,17 @@ class ReplayConfig:
                 raise ValueError("a fleet of several models (fleet) does not autoscale")
             if self.replica_startup_s < 0:
                 raise ValueError("replica_startup_s must not be negative")
-            bounded = min(
-                self.autoscale.max_replicas, max(self.autoscale.min_replicas, self.replicas)
-            )
-            object.__setattr__(self, "replicas", bounded)
+            if not (self.prefill or self.decode):
+                object.__setattr__(self, "replicas", self._bounded(self.replicas))
         if self.routing.model != self.model:  # one model: the routing knobs follow it
             object.__setattr__(self, "routing", replace(self.routing, model=self.model))
         engines = self.routing.for_engines(self.profile, self.max_num_batched_tokens)
         object.__setattr__(self, "routing", engines)
         self.engine_config()  # checks the replicas' shape
+
+    def _bounded(self, replicas: int) -> int:
+        """``replicas`` within the autoscaler's bounds (each pool's, in a P/D fleet)."""
+        return min(self.autoscale.max_replicas, max(self.autoscale.min_replicas, replicas))
 
     @property
     def tenant_budgets(self) -> dict[str, float]:

@@ -68,6 +68,8 @@ class ReplayResult:
     #: (time, prefix key, set size) at every change of a hot prefix's replication set
     #: (``cache_aware_replicated``; the first router's).
     hot_set_changes: list[tuple[float, int, int]] = field(default_factory=list)
+    #: A disaggregated fleet's pools' sizes, by role, as ``fleet_sizes``.
+    pool_sizes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
     @property
     def replica_hours(self) -> float:

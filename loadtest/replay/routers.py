@@ -103,16 +103,21 @@ class Routers:
         """The requests waiting in every router's queue."""
         return [request for router in self.routers for request in router.queue]
 
-    def add_replica(self, index: int, engine: Engine) -> None:
-        """A new engine, empty, in every router's fleet."""
+    def add_replica(self, index: int, engine: Engine, role: str = "both") -> None:
+        """A new engine, empty, in every router's fleet, not routed to until
+        :meth:`route_to`."""
         config = self._config
         for router in self.routers:
             state = ReplicaState(
-                f"replica-{index}", config.capacity_blocks or 0, model=config.model
+                f"replica-{index}", config.capacity_blocks or 0, model=config.model, role=role
             )
             state.free_blocks = engine.free_blocks
             router.states.append(state)
-            router.routes.added(state)
+
+    def route_to(self, index: int) -> None:
+        """Replica ``index`` serves: every router's policy may choose it."""
+        for router in self.routers:
+            router.routes.added(router.states[index])
 
     def remove_replica(self, index: int) -> None:
         for router in self.routers:

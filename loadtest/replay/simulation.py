@@ -237,6 +237,7 @@ class Simulation:
             self.scaling.fleet_sizes,
             self.scaling.scale_events,
             [change for policy in first.policies.values() for change in policy.hot_set_changes()],
+            self.scaling.pool_sizes,
         )
 
 

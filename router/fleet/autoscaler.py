@@ -10,6 +10,13 @@ does; one to shrink once it has held for ``downscale_delay_s`` (a burst's trough
 not tear the fleet down), one replica at a time: each stop moves the conversations the
 replica held, and several at once would move them all at once.
 
+A disaggregated fleet scales each pool apart, on the pool's own load and its own signal
+(an :class:`Autoscaler` per role, each within the bounds): prefill replicas on the
+prompt tokens waiting for them (their requests last one token: their count says little
+of their work), decode replicas on their requests (each holds a sequence's KV and a slot
+in every step), replicas that do both on either, as above. NVIDIA Dynamo's planner
+splits the same way (prefill on its queue and TTFT, decode on its KV load and ITL).
+
 Which replica goes is where a cache-aware fleet differs from a load-only one: the
 replica whose loss costs the caches least (``cache``: ``Policy.cache_value``, the recent
 requests through the prefixes it alone holds, from the router's index). ``load`` stops
@@ -30,6 +37,13 @@ import numpy as np
 
 #: How the replica to stop is chosen (see the module's doc).
 SCALE_IN = ("cache", "load", "random")
+
+#: What each role's pool is sized by (see the module's doc).
+SIGNALS = {
+    "both": ("ongoing_requests", "queued_prefill_tokens"),
+    "prefill": ("queued_prefill_tokens",),
+    "decode": ("ongoing_requests",),
+}
 
 
 @dataclass(frozen=True)
@@ -81,21 +95,31 @@ class FleetLoad:
 
 
 class Autoscaler:
-    """The fleet's size over time: :meth:`decide` once per ``interval_s``."""
+    """The size over time of a fleet, or of one role's pool of it (``role``: a key of
+    :data:`SIGNALS`): :meth:`decide` once per ``interval_s``."""
 
-    def __init__(self, config: AutoscaleConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, config: AutoscaleConfig, clock: Callable[[], float], role: str = "both"
+    ) -> None:
+        if role not in SIGNALS:
+            raise ValueError(f"unknown role {role!r}; known: {', '.join(SIGNALS)}")
         self.config = config
         self.clock = clock
+        self.role = role
         #: Since when the wish has pointed up (or down) without a break.
         self._up_since: float | None = None
         self._down_since: float | None = None
 
     def wanted(self, load: FleetLoad) -> int:
-        """The replicas that would hold ``load`` at the targets, within the bounds."""
+        """The replicas that would hold ``load`` at the targets of the role's signals,
+        within the bounds (a prefill pool whose token target is 0: on its requests)."""
         config = self.config
-        need = load.ongoing_requests / config.target_ongoing_requests
-        if config.target_queued_prefill_tokens:
-            need = max(need, load.queued_prefill_tokens / config.target_queued_prefill_tokens)
+        targets = {
+            "ongoing_requests": config.target_ongoing_requests,
+            "queued_prefill_tokens": config.target_queued_prefill_tokens,
+        }
+        signals = [s for s in SIGNALS[self.role] if targets[s]] or ["ongoing_requests"]
+        need = max(getattr(load, signal) / targets[signal] for signal in signals)
         return min(config.max_replicas, max(config.min_replicas, math.ceil(need)))
 
     def decide(self, current: int, load: FleetLoad) -> int:

@@ -1,5 +1,6 @@
 """`serve --min-replicas 1 --max-replicas 2`: the fleet grows under a burst and shrinks
-after it, a replica leaving only once its requests have ended, none failing."""
+after it, a replica leaving only once its requests have ended, none failing; a
+disaggregated fleet's pools each on their own load."""
 
 from __future__ import annotations
 
@@ -36,12 +37,34 @@ def test_the_fleet_grows_under_a_burst_and_shrinks_after_it_failing_nothing():
     assert served == {"replica-0", "replica-1"}  # the new one served its share
 
 
+PD_SCALING = shlex.split(
+    "--prefill 1 --decode 1 --policy pd_always --replica-speedup 0.2 --min-replicas 1"
+    " --max-replicas 2 --target-ongoing-requests 4 --upscale-delay-s 1 --downscale-delay-s 3"
+    " --interval-s 0.5"
+)
+
+
+def test_a_disaggregated_fleet_grows_and_shrinks_its_busy_pool_alone():
+    roles: dict[str, str] = {}
+    with serving(*PD_SCALING) as (url, _):
+        seen, answers = asyncio.run(burst_then_trickle(url, floor=2, roles=roles))
+    assert all(answer[0] == 200 for answer in answers) and len(answers) > 20
+    # long answers from short prompts: the decode pool's requests pile up, the
+    # prefill pool's prompt tokens do not
+    assert roles == {"replica-0": "prefill", "replica-1": "decode", "replica-2": "decode"}
+    fleets = [sorted(replicas) for _, replicas in seen]
+    assert ["replica-0", "replica-1", "replica-2"] in fleets  # the decode pool grew
+    assert len(fleets[-1]) == 2 and "replica-0" in fleets[-1]  # and shrank
+    assert {replica for _, replica in answers} == {"replica-1", "replica-2"}  # both decoded
+
+
 async def burst_then_trickle(
-    url: str, clients: int = 8, floor: int = 1
+    url: str, clients: int = 8, floor: int = 1, roles: dict[str, str] | None = None
 ) -> tuple[list[tuple[float, dict[str, bool]]], list]:
     """``clients`` clients asking for 60 tokens at a time for 12 s, then one for short
     requests until the fleet is back to ``floor`` replicas; the fleet as ``/stats`` saw
-    it every 0.25 s (replica -> draining) and every answer (status, replica)."""
+    it every 0.25 s (replica -> draining) and every answer (status, replica). Each
+    replica's role, as ``/stats`` said it, into ``roles`` if given."""
     answers: list[tuple[int | str, str | None]] = []
     seen: list[tuple[float, dict[str, bool]]] = []
     started = time.monotonic()
@@ -63,6 +86,8 @@ async def burst_then_trickle(
     async def watch(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
         while not stop.is_set():
             backends = (await client.get(f"{url}/stats")).json()["backends"]
+            if roles is not None:
+                roles.update((b["replica_id"], b["role"]) for b in backends)
             seen.append(
                 (time.monotonic() - started, {b["replica_id"]: b["draining"] for b in backends})
             )

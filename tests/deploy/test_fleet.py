@@ -44,6 +44,20 @@ def test_serve_refuses_a_bad_fleet_before_starting_anything():
     assert done.returncode == 2 and "--fleet 'llama=two': expected MODEL=N" in done.stderr
 
 
+@pytest.mark.exclusive  # a `serve` process, which the bench's tests look for
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ("--prefill 1 --decode 3", "--decode 3 must lie within --min-replicas 1"),
+        ("--fleet llama=2", "not --fleet"),
+        ("--replicas 5", "--replicas 5 must lie within"),
+    ],
+)
+def test_serve_refuses_bounds_a_pool_starts_outside(flags, says):
+    done = prefix_router("serve", "--min-replicas", "1", "--max-replicas", "2", *flags.split())
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
 def test_a_disaggregated_fleet_is_its_prefill_replicas_then_its_decode_ones():
     engines = fleet_engines([], 4, ReplicaConfig(speedup=5), prefill=1, decode=2)
     assert [e.role for e in engines] == ["prefill", "decode", "decode"]

@@ -10,6 +10,7 @@ import pytest
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row, weighted_percentile
 from loadtest.workloads import ChatConfig, chat_workload
+from router.fleet.autoscaler import AutoscaleConfig
 from router.policies import PolicyConfig
 
 #: Chats beside long documents, a short reply each: what P/D is for, small.
@@ -100,6 +101,51 @@ def test_a_token_weighted_percentile():
     assert weighted_percentile([0.01, 0.5], [99, 1], 50) == 0.01
     assert weighted_percentile([0.01, 0.5], [98, 2], 99) == 0.5
     assert weighted_percentile([], [], 99) is None
+
+
+#: A day (rising to four times its first rate and back) of long documents with short
+#: answers, and one of short prompts with long answers.
+PREFILL_HEAVY = ChatConfig(
+    rate_shape="day", session_rate=1.0, num_sessions=160, num_apps=2, think_time_s=4,
+    mean_turns=2, document_probability=1.0, document_tokens=6000, reply_tokens=20,
+)  # fmt: skip
+DECODE_HEAVY = ChatConfig(
+    rate_shape="day", session_rate=1.5, num_sessions=200, num_apps=2, think_time_s=4,
+    system_prompt_tokens=200, reply_tokens=600,
+)  # fmt: skip
+POOLS = AutoscaleConfig(
+    min_replicas=1,
+    max_replicas=4,
+    target_ongoing_requests=8,
+    target_queued_prefill_tokens=8000,
+    upscale_delay_s=5,
+    downscale_delay_s=20,
+)
+
+
+@pytest.mark.parametrize(
+    ("workload", "grows"), [(PREFILL_HEAVY, "prefill"), (DECODE_HEAVY, "decode")]
+)
+def test_each_pool_grows_and_shrinks_on_its_own_signal(workload, grows):
+    config = pd_fleet(
+        2, 2, capacity_blocks=4096, compute_scale=0.1, autoscale=POOLS, replica_startup_s=10
+    )
+    result = replay(chat_workload(workload), config, "pd_conditional")
+    assert all(r.error is None and r.finish_s is not None for r in result.records)
+    pools = {role: [n for _, n in sizes] for role, sizes in result.pool_sizes.items()}
+    other = "decode" if grows == "prefill" else "prefill"
+    assert max(pools[grows]) == 4 and max(pools[other]) <= 2  # the busy pool, alone
+    assert pools[grows][-1] < 4 and pools[other][-1] == 1  # and shrink after noon
+    row = replay_row(result)
+    assert row[f"{grows}_peak"] == 4 and row["pool_sizes"][grows][0] == [0.0, 2]
+    fixed = replay_row(
+        replay(
+            chat_workload(workload),
+            pd_fleet(4, 4, capacity_blocks=4096, compute_scale=0.1),
+            "pd_conditional",
+        )
+    )
+    assert row["replica_hours"] < 0.6 * fixed["replica_hours"]  # 4P4D held all day
 
 
 def test_a_pd_fleet_is_checked():
