@@ -27,8 +27,9 @@ def ray_processes() -> set[int]:
 def serving(*flags: str, until: str = "gateway: ") -> Iterator[tuple[str, subprocess.Popen]]:
     """``prefix-router serve`` with two replicas, yielded once it prints its gateways'
     address (every gateway serves by then), as a user would paste the next command, or
-    the line starting with ``until``; then Ctrl-C, which must end it with status 0 and leave no Ray instance behind. Its
-    stderr goes to a file: a pipe nobody reads would block it once full."""
+    the line starting with ``until``; then Ctrl-C, which must end it with status 0 and
+    leave no Ray instance behind. Its stderr goes to a file: a pipe nobody reads would
+    block it once full."""
     before = ray_processes()
     port = free_port()
     serve = [sys.executable, "-m", "prefix_router", "serve", "--port", str(port)]
