@@ -29,19 +29,17 @@ def test_the_fleet_wants_what_either_signal_needs_within_the_bounds():
 
 
 def test_each_pool_of_a_disaggregated_fleet_is_sized_by_its_own_signal():
-    prefill, decode = (
-        Autoscaler(CONFIG, FakeClock(), "prefill"),
-        Autoscaler(CONFIG, FakeClock(), "decode"),
-    )
-    prompts_waiting, many_decodes = FleetLoad(5, 3_500), FleetLoad(31, 0)
-    assert (prefill.wanted(prompts_waiting), decode.wanted(prompts_waiting)) == (4, 2)
+    clock = FakeClock()
+    prefill, decode = Autoscaler(CONFIG, clock, "prefill"), Autoscaler(CONFIG, clock, "decode")
+    many_decodes, prompts_waiting = FleetLoad(31, 0), FleetLoad(5, 3_500)
     assert (prefill.wanted(many_decodes), decode.wanted(many_decodes)) == (2, 4)
+    assert decode.wanted(prompts_waiting) == 4  # prefilled in place: its work too
     by_requests = AutoscaleConfig(
         max_replicas=6, target_ongoing_requests=10, target_queued_prefill_tokens=0
     )
-    assert Autoscaler(by_requests, FakeClock(), "prefill").wanted(many_decodes) == 4
+    assert Autoscaler(by_requests, clock, "prefill").wanted(many_decodes) == 4
     with pytest.raises(ValueError, match="role"):
-        Autoscaler(CONFIG, FakeClock(), "encode")
+        Autoscaler(CONFIG, clock, "encode")
 
 
 def test_growth_waits_for_its_delay_and_a_shrink_goes_one_replica_at_a_time():
