@@ -5,6 +5,7 @@ kinds; one module per kind:
 
 - ``base``: turns, sessions and workloads, and what every kind answers (``WorkloadKind``);
 - ``chat``: seeded sessions of a chat service (``chat``);
+- ``shared_prefix``: many groups sharing long prompts, short questions, long answers;
 - ``trace``: a recorded trace in Mooncake's format (``trace:PATH``).
 
 A new kind is its module (a ``WorkloadKind``) and one line in :data:`WORKLOADS`. The
@@ -31,8 +32,10 @@ from loadtest.workloads.chat import (
     ChatConfig,
     chat_workload,
     day_shaped,
+    ramp_shaped,
     retokenized,
 )
+from loadtest.workloads.shared_prefix import SHARED_PREFIX, SharedPrefix
 from loadtest.workloads.trace import (
     TRACE_BLOCK_TOKENS,
     TRACE_FIELDS,
@@ -46,6 +49,7 @@ from loadtest.workloads.trace import (
 __all__ = [
     "ARRIVAL_MODES",
     "RATE_SHAPES",
+    "SHARED_PREFIX",
     "TRACE_BLOCK_TOKENS",
     "TRACE_FIELDS",
     "WORKLOADS",
@@ -60,6 +64,7 @@ __all__ = [
     "chat_workload",
     "day_shaped",
     "load_workload",
+    "ramp_shaped",
     "retokenized",
     "trace_block_tokens",
     "trace_prompt",
@@ -69,7 +74,7 @@ __all__ = [
     "workload_usage",
 ]
 
-WORKLOADS: dict[str, WorkloadKind] = {kind.name: kind for kind in (Chat(), Trace())}
+WORKLOADS: dict[str, WorkloadKind] = {kind.name: kind for kind in (Chat(), SharedPrefix(), Trace())}
 
 
 def workload_usage() -> str:

@@ -27,7 +27,7 @@ from loadtest.workloads.base import (
 from replica.api.tokenizer import ByteTokenizer, Message, Tokenizer
 from router.fair.fairness import PRIORITIES, priority_rank
 
-RATE_SHAPES = ("flat", "day")
+RATE_SHAPES = ("flat", "day", "ramp")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class ChatConfig:
     arrival: ArrivalMode = "poisson"
     #: Sessions started per second (poisson arrival): its mean over the run.
     session_rate: float = 2.0
-    #: How the rate moves over the run: ``flat``, or ``day`` (a day's shape: it rises
-    #: from a quarter of its peak at the start to the peak halfway, and falls again).
+    #: How the rate moves over the run: ``flat``, ``day`` (a day's shape: it rises from
+    #: a quarter of its peak at the start to the peak halfway, and falls again), or
+    #: ``ramp`` (it rises evenly from half its mean at the start to 1.5 times it).
     rate_shape: str = "flat"
     #: Concurrent users (closed arrival).
     num_users: int = 32
@@ -163,6 +164,8 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
     starts = np.cumsum(gaps) - gaps[0]
     if config.rate_shape == "day":
         starts = day_shaped(starts)
+    elif config.rate_shape == "ramp":
+        starts = ramp_shaped(starts)
     tokenizer = ByteTokenizer()
     sessions = tuple(
         _chat_session(rng, config, tokenizer, index, int(app), apps[app], float(start))
@@ -176,14 +179,27 @@ def chat_workload(config: ChatConfig | None = None) -> Workload:
 def day_shaped(starts: np.ndarray) -> np.ndarray:
     """Arrival times of a flat Poisson process, moved so that the rate follows a day:
     ``peak x (1 - 0.75 cos^2(pi t / T))`` over the run's length T, a quarter of the
-    peak at either end and the peak halfway, with the same mean (the process's time
-    changed by the inverse of its cumulative rate, so arrivals stay Poisson)."""
+    peak at either end and the peak halfway, with the same mean."""
+    return _shaped(starts, lambda x: 1.0 - 0.75 * np.cos(np.pi * x) ** 2)
+
+
+def ramp_shaped(starts: np.ndarray) -> np.ndarray:
+    """Arrival times of a flat Poisson process, moved so that the rate rises evenly
+    from half its mean at the start to 1.5 times it at the end: a load that ramps past
+    what a fleet serves, as a capacity planner tries one."""
+    return _shaped(starts, lambda x: 0.5 + x)
+
+
+def _shaped(starts: np.ndarray, shape: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``starts`` with the rate following ``shape`` of the run's fraction elapsed, with
+    the same mean (the process's time changed by the inverse of its cumulative rate,
+    so arrivals stay Poisson)."""
     if len(starts) < 2:
         return starts
     end = float(starts[-1])
     grid = np.linspace(0.0, end, 4097)
-    shape = 1.0 - 0.75 * np.cos(np.pi * grid / end) ** 2
-    cumulative = np.concatenate(([0.0], np.cumsum((shape[1:] + shape[:-1]) / 2 * np.diff(grid))))
+    rate = shape(grid / end)
+    cumulative = np.concatenate(([0.0], np.cumsum((rate[1:] + rate[:-1]) / 2 * np.diff(grid))))
     return np.interp(starts, cumulative * end / cumulative[-1], grid)
 
 

@@ -142,13 +142,28 @@ def test_bad_workload_specs_are_explained():
 
 
 def test_the_registry_names_each_kind_and_what_the_commands_ask_of_it():
-    assert list(WORKLOADS) == ["chat", "trace"] and workload_usage() == "chat or trace:PATH"
+    assert list(WORKLOADS) == ["chat", "shared_prefix", "trace"]
+    assert workload_usage() == "chat or shared_prefix or trace:PATH"
     chat, trace = workload_kind("chat"), workload_kind(f"trace:{TRACE}")
     assert chat.chat and not trace.chat
-    with pytest.raises(ValueError, match="expected 'chat' or 'trace:PATH'"):
+    with pytest.raises(ValueError, match="expected 'chat' or 'shared_prefix' or 'trace:PATH'"):
         workload_kind("chat:extra")  # chat takes no argument, a trace needs its path
     with pytest.raises(ValueError, match="unknown workload 'trace'"):
         workload_kind("trace")
+
+
+def test_shared_prefix_is_many_groups_of_one_long_prompt_and_a_short_question():
+    options = WorkloadOptions(replicas=8, sessions_per_replica=10, chat={"num_sessions": 200})
+    kind = workload_kind("shared_prefix")
+    assert kind.chat and not kind.scales_with_fleet(options)
+    workload = workload_for("shared_prefix", options)
+    assert workload.name == "shared_prefix" and workload.num_requests == 200  # one turn each
+    assert len({s.app for s in workload.sessions}) > 40  # of 96 groups, mildly skewed
+    lengths = [len(p) for p in prompts(workload)]
+    assert min(lengths) > 4096 and max(lengths) < 4096 + 200  # the prompt, a short question
+    starts = np.array([s.start_time_s for s in workload.sessions])
+    first, last = np.histogram(starts, bins=2)[0]
+    assert last > 1.5 * first  # the rate ramps
 
 
 def test_a_load_given_per_replica_grows_with_the_fleet():
