@@ -35,6 +35,8 @@ class ReplicaState:
     precise: bool = True
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
+    #: This router's requests there that have not had their first token yet.
+    outstanding_prefills: int = 0
     dispatched: int = 0
     report: LoadReport | None = None
     #: This router's requests in flight there, by id, and those dispatched after the report.
@@ -63,6 +65,17 @@ class ReplicaState:
         if self.report is None:
             return self.outstanding_requests
         return self.report.running + self.report.waiting + self.requests_since_report
+
+    @property
+    def load_waiting(self) -> int:
+        """Requests queued there, not running yet: the engine's waiting queue where it
+        reports it (and this router's requests sent since), else this router's requests
+        before their first token but the one in its prefill (the same figure once the
+        engine is saturated: a request admitted to the batch has its first token a
+        step later)."""
+        if self.report is None:
+            return max(0, self.outstanding_prefills - 1)
+        return self.report.waiting + self.requests_since_report
 
     @property
     def load_prefill_tokens(self) -> int:

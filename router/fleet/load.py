@@ -27,6 +27,7 @@ def dispatched(
     """``request`` was sent to ``replica`` at ``now`` (wall clock): count its load and
     tell the policy."""
     replica.outstanding_requests += 1
+    replica.outstanding_prefills += 1
     replica.outstanding_prefill_tokens += request.predicted_uncached_tokens
     replica.dispatched += 1
     request.prefilling, request.dispatched_at = True, now
@@ -43,6 +44,7 @@ def prefilled(request: RoutingRequest, replica: ReplicaState) -> None:
     Idempotent, so every path that ends a request may call it."""
     if request.prefilling:
         request.prefilling = False
+        replica.outstanding_prefills -= 1
         replica.outstanding_prefill_tokens -= request.predicted_uncached_tokens
         if _since_report(request, replica):
             replica.prefill_tokens_since_report -= request.predicted_uncached_tokens

@@ -61,12 +61,20 @@ class CacheAwareConfig:
     #: and 128k gave its adapters a TTFT p99 of 5.9, 4.0, 2.5 s.
     adapter_load_tokens: float = 128.0
     adapter_wait_tokens: float = 131072.0
+    #: A miss when no replica is idle is throughput the whole fleet loses: the tokens
+    #: computed again are work every queued request waits behind, wherever it is. Each
+    #: request waiting in the queue of the least queued engine (from their load reports
+    #: or the router's own count) adds this to the recompute terms' factor (and the
+    #: cold slack's), so a saturated fleet keeps a request where its prefix is unless
+    #: the move pays for its recompute; while any replica has room, the price is as
+    #: before (0: the same price at any load).
+    saturation_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
             raise ValueError("running_request_tokens and cold_slack_tokens must not be negative")
-        if self.host_token_cost < 0:
-            raise ValueError("host_token_cost must not be negative")
+        if self.host_token_cost < 0 or self.saturation_weight < 0:
+            raise ValueError("host_token_cost and saturation_weight must not be negative")
         if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
             raise ValueError("recompute_weight and private_recompute_weight must be positive")
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
@@ -118,11 +126,14 @@ class CacheAware(IndexedPolicy):
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         self.popularity = PrefixPopularity()
+        #: The recompute terms' factor for the decision under way (_saturation_factor).
+        self._miss_factor = 1.0
         self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
         self.moves = KVMoves(config.kv, config.ttft.cost_profile)
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        self._miss_factor = self._saturation_factor(replicas)
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self.popular_tokens(request)
@@ -251,7 +262,7 @@ class CacheAware(IndexedPolicy):
         return pulls
 
     def _cold_slack(self) -> float:
-        return self.config.cache_aware.cold_slack_tokens
+        return self.config.cache_aware.cold_slack_tokens * self._miss_factor
 
     # ------------------------------------------------------------ sessions
 
@@ -310,13 +321,24 @@ class CacheAware(IndexedPolicy):
         return min(depth * config.block_size * config.index.stride, request.num_prompt_tokens)
 
     def _recompute_cost(self, prompt: int, popular: int, cached: int) -> float:
-        """Uncached tokens, those of the popular prefix and the request's own apart."""
+        """Uncached tokens, those of the popular prefix and the request's own apart,
+        dearer as the fleet saturates."""
         shared = max(0, popular - cached)
         own = prompt - max(popular, cached)
-        return (
+        return self._miss_factor * (
             self.config.cache_aware.recompute_weight * shared
             + self.config.cache_aware.private_recompute_weight * own
         )
+
+    def _saturation_factor(self, replicas: Sequence[ReplicaState]) -> float:
+        """What a miss weighs now against an idle fleet's price: 1, plus
+        ``saturation_weight`` for every request waiting on the least queued replica
+        (``ReplicaState.load_waiting``): while any replica has room, a recompute there
+        costs the fleet no throughput, and the price is today's."""
+        weight = self.config.cache_aware.saturation_weight
+        if not (weight and replicas):
+            return 1.0
+        return 1.0 + weight * min(r.load_waiting for r in replicas)
 
     def _load_function(self, requests: int, replicas: int) -> Load:
         """A replica's load in prefill tokens: its queued prefill, its requests, and

@@ -150,7 +150,8 @@ class CacheAwareTTFT(CacheAware):
         reuse = (config.cache_aware.recompute_weight - 1) * shared + (
             config.cache_aware.private_recompute_weight - 1
         ) * private
-        return self._prefill_s(cached, prompt - cached) + self._token_s * reuse
+        own = self._prefill_s(cached, prompt - cached) + self._token_s * reuse
+        return self._miss_factor * own
 
     def _held_cost(self, prompt: int, popular: int, gpu: int, host: int, pulled: int = 0) -> float:
         loading = self.profile.load_time(host) if host else 0.0
@@ -158,7 +159,7 @@ class CacheAwareTTFT(CacheAware):
         return self._recompute_cost(prompt, popular, gpu + host + pulled) + loading
 
     def _cold_slack(self) -> float:
-        return self.config.cache_aware.cold_slack_tokens * self._token_s
+        return super()._cold_slack() * self._token_s
 
     def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
         return super()._adapter_cost(adapter, replica) * self._token_s

@@ -1,0 +1,64 @@
+"""Routing at saturation: when every engine has a queue, a miss is the fleet's
+throughput, and the recompute terms weigh more (``saturation_weight``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loadtest.replay import ReplayConfig, replay
+from loadtest.report import replay_row
+from loadtest.workloads import SHARED_PREFIX, ChatConfig, chat_workload
+from replica.api.stats import LoadReport
+from router.fleet import load
+from router.policies import PolicyConfig
+from tests.router.test_policies import complete, dispatch, fleet, policy, request
+from tests.shared import prompt
+
+
+def placed(name: str, waiting: int, **knobs) -> str:
+    """Where a conversation's next turn goes when the replica holding it has 40,000
+    prompt tokens queued and ``waiting`` requests waiting in every engine's queue."""
+    pol, replicas = policy(name, **knobs), fleet(4)
+    history = prompt(2048)
+    first = request(history, "turn-1")
+    complete(pol, first, dispatch(pol, first, replicas[:1]))  # replica-0 holds it
+    for i, replica in enumerate(replicas):
+        backlog = 40_000 if i == 0 else 0
+        load.reported(replica, LoadReport(running=64, waiting=waiting, prefill_tokens=backlog))
+    return pol.choose(request(history, "turn-2"), replicas).replica_id
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cache_aware_ttft"])
+def test_a_saturated_fleet_keeps_a_request_where_its_prefix_is(name):
+    assert placed(name, waiting=0) != "replica-0"  # idle queues: the backlog sends it away
+    assert placed(name, waiting=12) == "replica-0"  # every engine queued: it waits there
+    assert placed(name, waiting=12, saturation_weight=0) != "replica-0"  # as before
+
+
+def test_the_saturation_weight_is_checked():
+    with pytest.raises(ValueError, match="saturation_weight"):
+        policy("cache_aware", saturation_weight=-1)
+
+
+#: Past capacity and short of KV: 4 replicas of 1,024 blocks, 24 groups of 2,048-token
+#: prompts (three quarters of the fleet's blocks), at a fifth of an H100's speed.
+SATURATED = ReplayConfig(replicas=4, capacity_blocks=1024, host_blocks=0, compute_scale=0.2)
+
+
+def shared_prefix(rate: float) -> ChatConfig:
+    groups = {"num_apps": 24, "system_prompt_tokens": 2048, "num_sessions": 600}
+    return ChatConfig(**{**SHARED_PREFIX, **groups, "rate_shape": "flat", "session_rate": rate})
+
+
+def hit_rate(rate: float, **knobs) -> float:
+    config = replace(SATURATED, routing=PolicyConfig.of(**knobs))
+    return replay_row(replay(chat_workload(shared_prefix(rate)), config, "cache_aware"))[
+        "token_hit_rate"
+    ]
+
+
+def test_past_capacity_the_price_of_a_miss_keeps_groups_on_their_replicas():
+    assert hit_rate(8.0) > hit_rate(8.0, saturation_weight=0) + 0.01  # past capacity
+    assert hit_rate(1.5) == pytest.approx(hit_rate(1.5, saturation_weight=0), abs=0.005)
