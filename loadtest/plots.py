@@ -217,6 +217,29 @@ def sweep_chart(rows: Sequence[Row], key: str, path: Path) -> None:
 POOLED = "single engine (pooled)"
 
 
+def saturation_chart(rows: Sequence[Row], path: Path) -> None:
+    """Hit rate and TTFT p90 against the offered load (a multiple of the fleet's
+    capacity), a line per policy; capacity marked."""
+    panels = (("token_hit_rate", "token hit rate (%)", 100.0), ("ttft_p90_s", "TTFT p90 (s)", 1.0))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    policies = list(dict.fromkeys(row["policy"] for row in rows))
+    for ax, (figure, ylabel, scale) in zip(axes, panels, strict=True):
+        for policy in policies:
+            points = sorted(
+                (row["load"], scale * row[figure]) for row in rows if row["policy"] == policy
+            )
+            ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+        ax.axvline(1.0, color="#999999", linestyle=":", linewidth=1)
+        ax.set_xlabel("offered load (x the fleet's capacity)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title("Hit rate as the fleet saturates")
+    axes[1].set_yscale("log")
+    axes[1].set_title("Time to first token, p90")
+    axes[0].legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def _sweep_lines(rows: Sequence[Row], key: str) -> dict[str, list[tuple[float, Row]]]:
     """Rows grouped into lines: one per policy, one for the pooled engines."""
     lines: dict[str, list[tuple[float, Row]]] = {}
