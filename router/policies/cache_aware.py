@@ -133,13 +133,13 @@ class CacheAware(IndexedPolicy):
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        self._miss_factor = self._saturation_factor(replicas)
+        whole_fleet = bool(self.order) and len(replicas) == len(self.order)
+        self._miss_factor = self._saturation_factor(replicas, whole_fleet)
         matched = self._matches(request, replicas)
         host = self._host_matches(request, matched) if self.tier_aware else {}
         popular = self.popular_tokens(request)
         priced = self._with_session(request, replicas, matched)
         pulls = self._pullable(replicas, matched, host) if self.config.kv.peer_pulls else {}
-        whole_fleet = self.order and len(replicas) == len(self.order)
         adapter = request.adapter if self.adapter_aware else None
         if whole_fleet and not self.prices_every_replica and adapter is None and not pulls:
             chosen = self._choose_in_fleet(request, priced, host, popular)
@@ -330,14 +330,17 @@ class CacheAware(IndexedPolicy):
             + self.config.cache_aware.private_recompute_weight * own
         )
 
-    def _saturation_factor(self, replicas: Sequence[ReplicaState]) -> float:
+    def _saturation_factor(self, replicas: Sequence[ReplicaState], whole_fleet: bool) -> float:
         """What a miss weighs now against an idle fleet's price: 1, plus
         ``saturation_weight`` for every request waiting on the least queued replica
-        (``ReplicaState.load_waiting``): while any replica has room, a recompute there
-        costs the fleet no throughput, and the price is today's."""
+        (``ReplicaState.load_waiting``; of the whole fleet, found in its load order):
+        while any replica has room, a recompute there costs the fleet no throughput,
+        and the price is today's."""
         weight = self.config.cache_aware.saturation_weight
         if not (weight and replicas):
             return 1.0
+        if whole_fleet:
+            return 1.0 + weight * self.order.least_waiting()
         return 1.0 + weight * min(r.load_waiting for r in replicas)
 
     def _load_function(self, requests: int, replicas: int) -> Load:

@@ -104,6 +104,16 @@ class LoadOrder:
                 best.tied.append(tie)
         return best
 
+    def least_waiting(self) -> int:
+        """The requests waiting on the least queued replica, as the replicas with the
+        fewest requests say (a replica's waiting requests are its requests less those
+        running: the fewest requests, the shortest queue, but for a replica whose batch
+        holds fewer), without a scan of the fleet."""
+        if not self._buckets:
+            return 0
+        fewest = self._buckets[min(self._buckets)]
+        return min(self.states[replica_id].load_waiting for _, replica_id in fewest)
+
     def within(self, load_of: Load, ceiling: float) -> list[ReplicaState]:
         """Every replica whose load is at most ``ceiling``."""
         found = []
