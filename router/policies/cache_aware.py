@@ -87,15 +87,17 @@ class CacheAwareConfig:
 class CacheAware(IndexedPolicy):
     """Least total work: the prefill a replica would do plus the work queued on it.
 
-    cost(replica) = recompute_weight x uncached tokens of a popular prefix there
-                  + private_recompute_weight x the request's other uncached tokens
+    cost(replica) = S x recompute_weight x uncached tokens of a popular prefix there
+                  + S x private_recompute_weight x the request's other uncached tokens
                   + host_token_cost x tokens it holds in its host tier only
                   + its outstanding prefill tokens
                   + running_request_tokens x its outstanding requests
                   + overflow_tokens x its outstanding requests beyond the load bound
 
-    all in prefill tokens. Lowest cost wins, ties at random. A popular prefix (a
-    system prompt many sessions share) is cheap to copy to a less loaded replica, so
+    all in prefill tokens, S the fleet's saturation (1 + ``saturation_weight`` x the
+    requests waiting on the least queued replica: 1 while any has room). Lowest cost
+    wins, ties at random. A popular prefix (a system prompt many sessions share) is
+    cheap to copy to a less loaded replica, so
     new sessions spread; a conversation's own history is dear to move, so its next
     turn stays where it is cached. The load bound, ``load_bound`` (1.5) times the
     fleet's mean outstanding requests (consistent hashing with bounded loads,
