@@ -97,12 +97,11 @@ class CacheAware(IndexedPolicy):
     all in prefill tokens, S the fleet's saturation (1 + ``saturation_weight`` x the
     requests waiting on the least queued replica: 1 while any has room). Lowest cost
     wins, ties at random. A popular prefix (a system prompt many sessions share) is
-    cheap to copy to a less loaded replica, so
-    new sessions spread; a conversation's own history is dear to move, so its next
-    turn stays where it is cached. The load bound, ``load_bound`` (1.5) times the
-    fleet's mean outstanding requests (consistent hashing with bounded loads,
-    Mirrokni et al. 2018, made soft), keeps a lightly loaded fleet even, where the
-    queue terms hardly weigh.
+    cheap to copy to a less loaded replica, so new sessions spread; a conversation's
+    own history is dear to move, so its next turn stays where it is cached. The load
+    bound, ``load_bound`` (1.5) times the fleet's mean outstanding requests
+    (consistent hashing with bounded loads, Mirrokni et al. 2018, made soft), keeps a
+    lightly loaded fleet even, where the queue terms hardly weigh.
 
     A hot shared prompt cached on one replica is copied to another as soon as the
     first replica's queue outweighs the copy, so it never stays pinned while others
