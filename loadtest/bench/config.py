@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.replay import ReplayConfig
-from loadtest.workloads import Workload, WorkloadOptions, workload_for
+from loadtest.workloads import Workload, WorkloadOptions, workload_for, workload_kind
 from replica.api.identity import DEFAULT_MODEL
 
 #: The default load: a chat service a 2-core machine can drive without becoming the
@@ -63,9 +63,14 @@ class BenchConfig:
     slo_itl_s: float = ReplayConfig.slo_itl_s
 
     def chat_config(self) -> dict[str, Any]:
-        return {**BENCH_CHAT, **self.chat, "seed": self.seed}
+        return {**self._chat(), "seed": self.seed}
 
     def load(self) -> Workload:
-        chat = {**BENCH_CHAT, **self.chat}
-        options = WorkloadOptions(seed=self.seed, chat=chat, limit=self.trace_limit or None)
+        options = WorkloadOptions(seed=self.seed, chat=self._chat(), limit=self.trace_limit or None)
         return workload_for(self.workload, options)
+
+    def _chat(self) -> dict[str, Any]:
+        """:data:`BENCH_CHAT`'s lighter load under the user's overrides, but where the
+        workload's kind sets its own defaults (``shared_prefix``'s long answers)."""
+        own = workload_kind(self.workload).defaults
+        return {**{k: v for k, v in BENCH_CHAT.items() if k not in own}, **self.chat}

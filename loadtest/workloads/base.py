@@ -115,6 +115,9 @@ class WorkloadKind(ABC):
     #: Whether the chat service's flags (``--chat-*``, ChatConfig) shape it: its sessions
     #: then have a rate (Locust's ``--arrival-rate``), adapters and bench-sized replicas.
     chat: ClassVar[bool] = False
+    #: The parameters it sets to its own defaults, which a command's lighter default
+    #: load (the bench's) leaves as they are.
+    defaults: ClassVar[Mapping[str, Any]] = {}
 
     @property
     def takes_argument(self) -> bool:

@@ -39,6 +39,7 @@ class SharedPrefix(Chat):
 
     name = "shared_prefix"
     usage = "shared_prefix"
+    defaults = SHARED_PREFIX
 
     def build(self, argument: str, overrides: Mapping[str, Any]) -> Workload:
         config = configured(ChatConfig, {**SHARED_PREFIX, **overrides}, self.name)

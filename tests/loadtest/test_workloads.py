@@ -3,6 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
+from loadtest.bench import BenchConfig
 from loadtest.workloads import (
     WORKLOADS,
     ChatConfig,
@@ -208,3 +209,13 @@ def test_a_workload_retokenized_counts_tokens_as_the_model_reads_them(tiny_model
         assert np.array_equal(session.turns[0].prompt_token_ids[:n], first[session.app][:n])
     trace = load_workload(f"trace:{TRACE}", {"limit": 5})
     assert retokenized(trace, model).sessions[0].turns[0] is trace.sessions[0].turns[0]
+
+
+def test_the_bench_lightens_the_chat_load_but_not_a_workload_with_defaults_of_its_own():
+    assert BenchConfig().chat_config()["reply_tokens"] == 120  # the bench's light chat
+    shared = BenchConfig(workload="shared_prefix", chat={"num_sessions": 50})
+    assert "reply_tokens" not in shared.chat_config()  # its own 400-token answers stay
+    lengths = [t.max_tokens for s in shared.load().sessions for t in s.turns]
+    assert len(lengths) == 50 and sum(lengths) / len(lengths) > 300
+    told = BenchConfig(workload="shared_prefix", chat={"reply_tokens": 50})
+    assert told.chat_config()["reply_tokens"] == 50  # the user's flag still wins
