@@ -95,8 +95,7 @@ class Fleet:
         if first is None or not all(configs):
             return self._engines_twin(profile) if profile else None
         routing = self.stats.config.routing if self.stats else ReplayConfig().routing
-        roles = [c.role for c in configs if c]
-        disaggregated = "both" not in roles  # a fleet of prefill and decode replicas
+        prefill, decode = _pd_split([c.role for c in configs if c])
         return ReplayConfig(
             replicas=len(configs),
             capacity_blocks=first.num_blocks,
@@ -110,8 +109,8 @@ class Fleet:
             compute_scale=first.speedup,  # simulated time runs this much faster
             fleet=_models_fleet([c.model for c in configs if c]),
             max_loras=first.max_loras,
-            prefill=roles.count("prefill") if disaggregated else 0,
-            decode=roles.count("decode") if disaggregated else 0,
+            prefill=prefill,
+            decode=decode,
             kv_hold_s=first.kv_hold_s,
         )
 
@@ -132,12 +131,11 @@ class Fleet:
         if block_size is None:  # unknown, or several: no one twin
             return None
         config = self.stats.config
-        roles = [b.role for b in self.stats.backends]
-        disaggregated = "both" not in roles
+        prefill, decode = _pd_split([b.role for b in self.stats.backends])
         return ReplayConfig(
             replicas=len(self.stats.backends),
-            prefill=roles.count("prefill") if disaggregated else 0,
-            decode=roles.count("decode") if disaggregated else 0,
+            prefill=prefill,
+            decode=decode,
             profile=profile,
             max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
@@ -223,3 +221,11 @@ def engine_figures(client: httpx.Client, fleet: Fleet) -> dict[str, EngineFigure
         with contextlib.suppress(httpx.HTTPError, ValueError):
             figures[url] = read_figures(client, url)
     return figures
+
+
+def _pd_split(roles: list[str]) -> tuple[int, int]:
+    """A twin's prefill and decode replicas from its replicas' roles (0 and 0: an
+    aggregated fleet, as one replica that does both makes it)."""
+    if "both" in roles:
+        return 0, 0
+    return roles.count("prefill"), roles.count("decode")

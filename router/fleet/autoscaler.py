@@ -14,11 +14,13 @@ A disaggregated fleet scales each pool apart, on the pool's own load and its own
 (an :class:`Autoscaler` per role, each within the bounds): prefill replicas on the
 prompt tokens waiting for them (their requests last one token: their count says little
 of their work), decode replicas on their requests (each holds a sequence's KV and a slot
-in every step) and on the prompt tokens they prefill in place (conditional P/D: a
-replayed day of documents had decode streams stalled to an ITL p99 of 1.8 s when the
-decode pool counted its requests alone, 112 ms when it counted both), replicas that do
-both on either, as above. NVIDIA Dynamo's planner splits the same way (prefill on its
-queue and TTFT, decode on its KV load and ITL).
+in every step) and on the prompt tokens they prefill in place (conditional P/D
+prefills there; on a replayed day of 400 document sessions, a decode pool counting its
+requests alone grew to 4 and stalled its streams to an ITL p99 of 1.8 s, 112 ms counting
+both; on shorter days of the same workload the two signals gave the same peaks, and
+goodput within 1 to 10% either way), replicas that do both on either, as above.
+NVIDIA Dynamo's planner splits the same way (prefill on its queue and TTFT, decode on
+its KV load and ITL).
 
 Which replica goes is where a cache-aware fleet differs from a load-only one: the
 replica whose loss costs the caches least (``cache``: ``Policy.cache_value``, the recent

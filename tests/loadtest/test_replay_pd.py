@@ -10,8 +10,8 @@ import pytest
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import replay_row, weighted_percentile
 from loadtest.workloads import ChatConfig, chat_workload
-from router.fleet.autoscaler import AutoscaleConfig
 from router.policies import PolicyConfig
+from tests.loadtest.test_replay_autoscale import SCALING
 
 #: Chats beside long documents, a short reply each: what P/D is for, small.
 DOCUMENTS = ChatConfig(
@@ -104,29 +104,23 @@ def test_a_token_weighted_percentile():
 
 
 #: A day (rising to four times its first rate and back) of long documents with short
-#: answers, and one of short prompts with long answers.
+#: answers (on which a decode pool that ignored the documents it prefills in place grew
+#: to 4 and stalled its streams), and one of short prompts with long answers.
 PREFILL_HEAVY = ChatConfig(
-    rate_shape="day", session_rate=1.0, num_sessions=160, num_apps=2, think_time_s=4,
+    rate_shape="day", session_rate=1.0, num_sessions=400, num_apps=2, think_time_s=4,
     mean_turns=2, document_probability=1.0, document_tokens=6000, reply_tokens=20,
 )  # fmt: skip
 DECODE_HEAVY = ChatConfig(
     rate_shape="day", session_rate=1.5, num_sessions=200, num_apps=2, think_time_s=4,
     system_prompt_tokens=200, reply_tokens=600,
 )  # fmt: skip
-POOLS = AutoscaleConfig(
-    min_replicas=1,
-    max_replicas=4,
-    target_ongoing_requests=8,
-    target_queued_prefill_tokens=8000,
-    upscale_delay_s=5,
-    downscale_delay_s=20,
-)
+POOLS = replace(SCALING, target_queued_prefill_tokens=8000)
 
 
 @pytest.mark.parametrize(
     ("workload", "grows"), [(PREFILL_HEAVY, "prefill"), (DECODE_HEAVY, "decode")]
 )
-def test_each_pool_grows_and_shrinks_on_its_own_signal(workload, grows):
+def test_each_pool_grows_and_shrinks_on_its_own_load_and_signal(workload, grows):
     config = pd_fleet(
         2, 2, capacity_blocks=4096, compute_scale=0.1, autoscale=POOLS, replica_startup_s=10
     )
@@ -135,6 +129,7 @@ def test_each_pool_grows_and_shrinks_on_its_own_signal(workload, grows):
     pools = {role: [n for _, n in sizes] for role, sizes in result.pool_sizes.items()}
     other = "decode" if grows == "prefill" else "prefill"
     assert max(pools[grows]) == 4 and max(pools[other]) <= 2  # the busy pool, alone
+    assert replay_row(result)["itl_p99_s"] < 0.15  # no decode stream stalled
     assert pools[grows][-1] < 4 and pools[other][-1] == 1  # and shrink after noon
     row = replay_row(result)
     assert row[f"{grows}_peak"] == 4 and row["pool_sizes"][grows][0] == [0.0, 2]
