@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +71,8 @@ def serve(
     started = _Started()
     signals = _Signals()
     try:
-        start_local_ray()
+        with signals.deferred():  # an interrupted ray.init leaves half a Ray behind
+            start_local_ray()
         signals.install()  # ray.init sets a SIGTERM handler of its own
         started.replicas = _start_replicas(engines, host)
         cards = ready_cards(started.replicas)
@@ -94,7 +95,8 @@ def serve(
         pass
     finally:
         signals.ignore()
-        started.stop()
+        if ray.is_initialized():  # else asking Ray for its actors would start one
+            started.stop()
         ray.shutdown()
         if sock is not None:
             sock.close()
@@ -173,6 +175,7 @@ class _Signals:
 
     def __init__(self) -> None:
         self._interrupting = True
+        self._deferring = self._pending = False
         self._previous = {signum: signal.getsignal(signum) for signum in self._HANDLED}
         self.install()
 
@@ -181,8 +184,21 @@ class _Signals:
             signal.signal(signum, self._handle)
 
     def _handle(self, *_: Any) -> None:
-        if self._interrupting:
+        if self._interrupting and not self._deferring:
             self._interrupting = False
+            raise _Interrupted
+        self._pending = self._pending or self._interrupting
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A signal inside waits until the block has ended, then interrupts."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            self._interrupting = self._pending = False
             raise _Interrupted
 
     def ignore(self) -> None:
