@@ -16,7 +16,9 @@ Two sources of knowledge, each a :class:`ReplicaSets`:
   Routing decisions of the last few seconds count as well, to cover events that
   have not arrived yet; a removal, newer than those decisions, drops them too, and so
   does an answer whose engine reported fewer cached tokens than predicted
-  (:meth:`PrefixIndex.correct`). Events from a replica's host tier (``medium`` CPU) go
+  (:meth:`PrefixIndex.correct`). A prompt of a request in flight on a replica stays
+  held there whatever its events say (:class:`InFlight`): the replica holds it, or will
+  once it runs the request. Events from a replica's host tier (``medium`` CPU) go
   to a set of their own: :meth:`PrefixIndex.match_host` says how much further than its
   GPU a replica holds a prompt in host memory.
 
@@ -25,8 +27,8 @@ trusted (another block size, another tokenizer: see ``router/fleet/backend_check
 Their events are ignored and their decisions kept as in approximate mode, so they are
 routed on what the router sent them rather than blind.
 
-Memory is bounded by the replicas' total capacity whatever the traffic, and removing
-a replica removes all its entries.
+Memory is bounded by the replicas' total capacity (and the requests in flight) whatever
+the traffic, and removing a replica removes all its entries.
 """
 
 from __future__ import annotations
@@ -153,6 +155,58 @@ class ReplicaSets:
             self.holders.pop(block_hash, None)
 
 
+class InFlight:
+    """identity -> bitmask of the replicas running or queueing a request through it.
+
+    Such a replica holds the prefix, or will once it runs the request: an eviction
+    while the request waits in its queue only means the engine computes the prefix
+    again there. Past a fleet's capacity, where requests wait for tens of seconds and
+    engines short of KV evict the cached prompts of requests still queued, the index
+    would otherwise forget where a group's requests are going and send its next
+    request to a second replica, to compute the prompt twice and evict more.
+    """
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self._requests: dict[int, dict[int, int]] = {}  # bit -> identity -> requests
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    def size(self, bit: int) -> int:
+        return len(self._requests.get(bit, ()))
+
+    def add(self, bit: int, hashes: Sequence[int]) -> None:
+        requests, mask, holders = self._requests.setdefault(bit, {}), 1 << bit, self.holders
+        for block_hash in hashes:
+            count = requests.get(block_hash, 0)
+            if not count:
+                holders[block_hash] = holders.get(block_hash, 0) | mask
+            requests[block_hash] = count + 1
+
+    def remove(self, bit: int, hashes: Sequence[int]) -> None:
+        requests = self._requests.get(bit)
+        if requests is None:
+            return
+        for block_hash in hashes:
+            count = requests.pop(block_hash, 0) - 1
+            if count > 0:
+                requests[block_hash] = count
+            elif count == 0:
+                self._drop(bit, block_hash)
+
+    def clear(self, bit: int) -> None:
+        for block_hash in self._requests.pop(bit, {}):
+            self._drop(bit, block_hash)
+
+    def _drop(self, bit: int, block_hash: int) -> None:
+        mask = self.holders.get(block_hash, 0) & ~(1 << bit)
+        if mask:
+            self.holders[block_hash] = mask
+        else:
+            self.holders.pop(block_hash, None)
+
+
 class PrefixIndex:
     """The router's view of every replica's prefix cache (see the module docstring)."""
 
@@ -176,6 +230,7 @@ class PrefixIndex:
         precise = config.mode == "precise"
         self._routed_ttl_s = config.recent_s if precise else config.ttl_s
         self.routed = ReplicaSets(clock)
+        self.in_flight = InFlight()  # precise mode's: its decisions expire, requests wait
         # What the events say, packed (router/index/lean_index.py): a key per stride block of
         # every replica's cache, a thousand replicas' worth.
         self.stored = KeySets() if precise else None
@@ -209,6 +264,7 @@ class PrefixIndex:
         self._all_bits &= ~(1 << bit)
         self._approximate_bits &= ~(1 << bit)
         self.routed.remove_replica(bit)
+        self.in_flight.clear(bit)
         for sets in self._event_sets:
             sets.clear(bit)
         del self._keys[bit]
@@ -232,11 +288,25 @@ class PrefixIndex:
 
     def num_entries(self, replica_id: str | None = None) -> int:
         """Identities known (for one replica, or in all), for the memory bound."""
-        sets: list[ReplicaSets | KeySets] = [self.routed, *self._event_sets]
+        sets: list[ReplicaSets | KeySets | InFlight] = [
+            self.routed,
+            self.in_flight,
+            *self._event_sets,
+        ]
         if replica_id is None:
             return sum(len(s) for s in sets)
         bit = self._bits.get(replica_id)
         return 0 if bit is None else sum(s.size(bit) for s in sets)
+
+    def gpu_keys(self, replica_id: str) -> int:
+        """Stride keys the replica's GPU holds: as its events say (the same for every
+        router that reads them), else as the router's decisions say."""
+        bit = self._bits.get(replica_id)
+        if bit is None:
+            return 0
+        if self.stored is not None and self.is_precise(replica_id):
+            return self.stored.size(bit)
+        return self.routed.size(bit)
 
     def gpu_blocks_by_salt(self, replica_id: str) -> dict[str | None, int]:
         """Precise mode: the blocks a replica's GPU holds, by the cache salt of their
@@ -289,10 +359,11 @@ class PrefixIndex:
         self.routed.expire()
         routed = self.routed.holders.get
         stored = self.stored.get if self.stored is not None else _NOBODY.get
+        in_flight = self.in_flight.holders.get
 
         def holders(depth: int) -> int:
             block_hash = stride_hashes[depth]
-            return routed(block_hash, 0) | stored(block_hash, 0)
+            return routed(block_hash, 0) | stored(block_hash, 0) | in_flight(block_hash, 0)
 
         depth_of_bit: dict[int, int] = {}
         length = len(stride_hashes)
@@ -371,6 +442,20 @@ class PrefixIndex:
             )
             stride_hashes = stride_hashes[shown:]
         self.routed.add(bit, stride_hashes)
+
+    def request_started(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
+        """A request through this prompt was sent to ``replica_id``: until it ends, the
+        replica holds the prompt whatever its events say (see :class:`InFlight`). Of
+        replicas known from their events only: decisions stand for the others."""
+        if self.is_precise(replica_id):
+            self.in_flight.add(self._bits[replica_id], stride_hashes)
+
+    def request_ended(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
+        """The request of :meth:`request_started` ended: its prompt is held there as
+        far as the replica's events say."""
+        bit = self._bits.get(replica_id)
+        if bit is not None:
+            self.in_flight.remove(bit, stride_hashes)
 
     def apply_events(self, replica_id: str, events: Iterable[KVEvent]) -> int:
         """Precise mode: mirror a replica's stored / removed / cleared blocks. A block

@@ -107,8 +107,9 @@ class CacheAware(IndexedPolicy):
     first replica's queue outweighs the copy, so it never stays pinned while others
     idle; each request weighs its own cached tokens, so affinity is never dropped for
     all requests at once (SGLang's fleet-wide imbalance switch does that). A prefix
-    cached nowhere goes to the rendezvous choice among the near-least-loaded
-    replicas, so independent routers send the same new prefix to the same place.
+    cached nowhere goes where it evicts the least: the near-least-loaded replica whose
+    GPU holds the fewest blocks, by rendezvous among equals, so independent routers
+    reading the same events send the same new prefix to the same place.
 
     A token held in a replica's host tier (learned from its KV events) costs its load
     over PCIe, a tenth of computing it by default: a GPU hit is preferred to a host
@@ -167,7 +168,7 @@ class CacheAware(IndexedPolicy):
             least = order.cheapest(load_of)
             assert least is not None
             near = order.within(load_of, least.load + self._cold_slack())
-            return rendezvous(rendezvous_key(request), near)
+            return self._roomiest(request, near)
         prompt = request.num_prompt_tokens
         costs = {}
         for replica_id in warm:
@@ -217,7 +218,7 @@ class CacheAware(IndexedPolicy):
             ceiling = min(loads) + self._cold_slack()
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             if adapter is None:
-                return rendezvous(rendezvous_key(request), near)
+                return self._roomiest(request, near)
             # a cold prompt under an adapter goes where a slot holds it, else where the
             # adapter's other prompts go (all routers agree): it stays in few slots
             holding = [r for r in near if not self._adapter_cost(adapter, r)]
@@ -261,6 +262,22 @@ class CacheAware(IndexedPolicy):
             if top > held:
                 pulls[replica.replica_id] = top - held
         return pulls
+
+    def _roomiest(self, request: RoutingRequest, near: Sequence[ReplicaState]) -> ReplicaState:
+        """Where a prefix cached nowhere goes among ``near``: the replica whose GPU holds
+        the fewest blocks, which makes room for it by evicting the least, by rendezvous
+        among those tied (every router reads the same events, so routers agree).
+
+        Placing new prefixes by hash alone piles them unevenly (7, 7, 5 and 5 groups on
+        4 replicas where 6 fit each): past capacity, the fuller replicas evict prompts
+        their queued requests come back for, again and again.
+        """
+        if len(near) == 1:
+            return near[0]
+        held = [self.index.gpu_keys(r.replica_id) for r in near]
+        fewest = min(held)
+        roomiest = [r for r, h in zip(near, held, strict=True) if h == fewest]
+        return rendezvous(rendezvous_key(request), roomiest)
 
     def _cold_slack(self) -> float:
         return self.config.cache_aware.cold_slack_tokens * self._miss_factor

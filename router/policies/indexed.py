@@ -29,11 +29,13 @@ class IndexedPolicy(Policy):
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         self._know(replica)
         self.index.record_routing(replica.replica_id, request.stride_hashes)
+        self.index.request_started(replica.replica_id, request.stride_hashes)
 
     def on_complete(
         self, request: RoutingRequest, replica: ReplicaState, cached_tokens: int | None = None
     ) -> None:
         """An engine that found less cached than predicted corrects the index at once."""
+        self.index.request_ended(replica.replica_id, request.stride_hashes)
         predicted = request.predicted_cached_tokens
         if cached_tokens is not None and predicted is not None and cached_tokens < predicted:
             self.index.correct(replica.replica_id, request.stride_hashes, cached_tokens)

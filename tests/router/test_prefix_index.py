@@ -95,6 +95,43 @@ def test_precise_mode_counts_recent_routing_until_events_arrive(clock):
     assert index.match(stride_hashes(prompt(256))).get("c", 0) == 0
 
 
+def test_a_request_in_flight_keeps_its_prompt_where_it_waits_whatever_the_events_say(clock):
+    """Past capacity an engine short of KV evicts the cached prompt of requests still in
+    its queue: it computes the prompt again for them, so the prompt is held there (as
+    far as routing goes) until the last of them ends; then the events alone say."""
+    index = make_index("precise", clock, recent_s=5.0)
+    engine = Engine(EngineConfig(num_blocks=48, block_size=BLOCK))
+    hashes = stride_hashes(prompt(700))
+    served(engine, "r", prompt(700))
+    index.apply_events("b", engine.cache.events_since(0)[0])
+    for _ in range(2):  # two more of the prompt, queued on b
+        index.record_routing("b", hashes)
+        index.request_started("b", hashes)
+    seen = engine.cache.events_since(0)[0][-1].seq
+    served(engine, "s", prompt(700, 50_000))  # 44 more blocks: most of the first go
+    index.apply_events("b", engine.cache.events_since(seen)[0])
+    clock.now = 60.0  # long past recent_s: they still wait
+    assert index.match(hashes) == {"b": 640}
+    index.request_ended("b", hashes)
+    assert index.match(hashes) == {"b": 640}  # one still waits
+    index.request_ended("b", hashes)
+    held = engine.cache.match(block_hashes(prompt(700), BLOCK, SEED), prompt(700).tobytes())
+    assert index.match(hashes).get("b", 0) == len(held) // STRIDE * BLOCK * STRIDE < 640
+    assert index.num_entries("b") == index.gpu_keys("b")  # nothing in flight is left
+    approximate = make_index("approximate", clock)
+    approximate.request_started("a", hashes)  # its decisions stand for it
+    assert approximate.num_entries() == 0
+
+
+def test_the_gpu_keys_are_the_events_of_a_precise_replica_and_the_decisions_of_others(clock):
+    index = make_index("precise", clock, recent_s=2.0)
+    index.add_replica("d", capacity_blocks=64, approximate=True)
+    index.apply_events("b", engine_holding(prompt(700)).cache.events_since(0)[0])
+    index.record_routing("d", stride_hashes(prompt(512)))
+    index.record_routing("a", stride_hashes(prompt(512, 9_000)))  # not shown by events yet
+    assert (index.gpu_keys("a"), index.gpu_keys("b"), index.gpu_keys("d")) == (0, 10, 8)
+
+
 def test_a_decision_records_only_what_the_replicas_events_do_not_show(clock):
     index = make_index("precise", clock, recent_s=2.0)
     index.apply_events("b", engine_holding(prompt(700)).cache.events_since(0)[0])  # 10 strides

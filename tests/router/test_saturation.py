@@ -52,13 +52,18 @@ def shared_prefix(rate: float) -> ChatConfig:
     return ChatConfig(**{**SHARED_PREFIX, **groups, "rate_shape": "flat", "session_rate": rate})
 
 
-def hit_rate(rate: float, **knobs) -> float:
+def hit_rate(rate: float, policy: str = "cache_aware", **knobs) -> float:
     config = replace(SATURATED, routing=PolicyConfig.of(**knobs))
-    return replay_row(replay(chat_workload(shared_prefix(rate)), config, "cache_aware"))[
-        "token_hit_rate"
-    ]
+    return replay_row(replay(chat_workload(shared_prefix(rate)), config, policy))["token_hit_rate"]
 
 
-def test_past_capacity_the_price_of_a_miss_keeps_groups_on_their_replicas():
-    assert hit_rate(8.0) > hit_rate(8.0, saturation_weight=0) + 0.01  # past capacity
+def test_past_capacity_a_fleet_short_of_kv_keeps_its_groups_hits():
+    """SGLang's policy pins each group on one replica; ours used to lose 3 points of
+    hits to it here (87.5 against 90.3%): the index forgot where a group's requests
+    waited once its engine evicted their prompt (``InFlight``), and new groups were
+    placed by hash alone, unevenly (``CacheAware._roomiest``)."""
+    assert hit_rate(8.0) > hit_rate(8.0, "sglang_cache_aware") - 0.01
+
+
+def test_below_capacity_the_price_of_a_miss_is_todays():
     assert hit_rate(1.5) == pytest.approx(hit_rate(1.5, saturation_weight=0), abs=0.005)
