@@ -68,3 +68,44 @@ def test_a_replica_whose_engine_died_fails_every_request_and_says_so_on_health()
         assert later.status_code == 500 and "block table corrupt" in later.text
         health = client.get("/health")
         assert health.status_code == 503 and "block table corrupt" in health.text
+
+
+def test_the_work_between_steps_counts_within_the_simulated_step_time(monkeypatch):
+    """Handing a step's tokens to its streams (and their HTTP answers) takes real time
+    on the host; the loop's pace is the simulated GPU's all the same, as long as that
+    work fits within a step: each step ends its simulated time after the last one."""
+    now = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:  # time passes only where the loop says
+        now[0] += delay
+        await real_sleep(0)
+
+    monkeypatch.setattr("replica.engine_loop.asyncio.sleep", sleep)
+    engine = Engine(EngineConfig())
+    ends: list[float] = []
+    durations: list[float] = []
+    original_step = engine.step
+
+    def step():  # type: ignore[no-untyped-def]
+        result = original_step()
+        durations.append(result.duration_s)
+        return result
+
+    engine.step = step  # type: ignore[method-assign]
+
+    def handing_out() -> None:  # 5 ms of the host's work after every step
+        ends.append(now[0])
+        now[0] += 0.005
+
+    async def scenario() -> None:
+        loop = EngineLoop(engine, speedup=0.5, clock=lambda: now[0], on_step=handing_out)
+        loop.start()
+        async for _ in loop.submit(EngineRequest("r", np.arange(1, 200), 50, ignore_eos=True)):
+            pass
+        await loop.stop()
+
+    asyncio.run(scenario())
+    assert len(ends) >= 50 and min(durations) / 0.5 > 0.005  # each step outlasts the work
+    gaps = np.diff(ends)
+    assert gaps == pytest.approx(np.array(durations[1 : len(ends)]) / 0.5)
