@@ -148,11 +148,7 @@ class ReplicaSets:
                 self._drop(bit, entries.popitem(last=False)[0])
 
     def _drop(self, bit: int, block_hash: int) -> None:
-        mask = self.holders.get(block_hash, 0) & ~(1 << bit)
-        if mask:
-            self.holders[block_hash] = mask
-        else:
-            self.holders.pop(block_hash, None)
+        _drop_holder(self.holders, bit, block_hash)
 
 
 class InFlight:
@@ -200,11 +196,7 @@ class InFlight:
             self._drop(bit, block_hash)
 
     def _drop(self, bit: int, block_hash: int) -> None:
-        mask = self.holders.get(block_hash, 0) & ~(1 << bit)
-        if mask:
-            self.holders[block_hash] = mask
-        else:
-            self.holders.pop(block_hash, None)
+        _drop_holder(self.holders, bit, block_hash)
 
 
 class PrefixIndex:
@@ -537,6 +529,15 @@ class PrefixPopularity:
 
     def __len__(self) -> int:
         return len(self._counts)
+
+
+def _drop_holder(holders: dict[int, int], bit: int, block_hash: int) -> None:
+    """Replica ``bit`` no longer holds ``block_hash``; a key nobody holds is forgotten."""
+    mask = holders.get(block_hash, 0) & ~(1 << bit)
+    if mask:
+        holders[block_hash] = mask
+    else:
+        holders.pop(block_hash, None)
 
 
 def _bits_of(mask: int) -> Iterator[int]:

@@ -107,23 +107,23 @@ def test_cache_aware_sends_a_cold_prefix_where_independent_routers_agree():
 
 @pytest.mark.parametrize("name", ["cache_aware", "cache_aware_ttft"])
 def test_a_cold_prefix_goes_where_it_evicts_least_and_routers_reading_the_events_agree(name):
-    """Placed by hash alone, new prefixes pile up unevenly, and past capacity the fuller
-    replicas evict prompts their queued requests come back for."""
-    replicas = fleet(3)
+    """A replica whose GPU is full evicts a prefix to compute a new one; one with room
+    does not. Among those with room (or, all full, among all) the rendezvous choice."""
+    replicas = fleet(3, capacity=160)  # 160 blocks: 2,560 tokens each
     first, second = policy(name, 1), policy(name, 2)
     for pol in (first, second):
         for replica in replicas:
             pol.on_replica_added(replica)
-        pol.on_kv_events(replicas[0], held_events(prompt(2048, 500_000), "GPU"))
-        pol.on_kv_events(replicas[1], held_events(prompt(1024, 600_000), "GPU"))
-        pol.on_kv_events(replicas[2], held_events(prompt(1536, 700_000), "GPU"))
-    for i in range(10):
-        cold = request(prompt(300, 10_000 * i))
-        assert first.choose(cold, replicas) is second.choose(cold, replicas) is replicas[1]
-    # among replicas that hold as much, by rendezvous as before
-    pol = policy(name)
-    placed = {pol.choose(request(prompt(300, 10_000 * i)), replicas).replica_id for i in range(20)}
-    assert len(placed) == 3
+        pol.on_kv_events(replicas[0], held_events(prompt(2560, 500_000), "GPU"))  # full
+        pol.on_kv_events(replicas[1], held_events(prompt(1024, 600_000), "GPU"))  # room
+        pol.on_kv_events(replicas[2], held_events(prompt(2304, 700_000), "GPU"))  # 16 free
+    placed = set()
+    for i in range(20):
+        cold = request(prompt(300, 10_000 * i))  # 19 blocks: only replica-1 has room
+        chosen = first.choose(cold, replicas)
+        assert chosen is second.choose(cold, replicas) is replicas[1]
+        placed.add(first.choose(request(prompt(200, 10_000 * i)), replicas).replica_id)
+    assert placed == {"replica-1", "replica-2"}  # 13 blocks: two with room, by rendezvous
 
 
 def test_cache_aware_follows_a_cached_prefix():
