@@ -155,8 +155,9 @@ class EngineLoop:
                 await self._idle()
                 continue
             started = clock()
-            on_pace = self._due is not None and started - self._due < MAX_LAG_S
-            due = self._due if on_pace and self._due is not None else started
+            due = self._due
+            if due is None or started - due >= MAX_LAG_S:  # idle till now, or too late
+                due = started
             result = self.engine.step()
             if not result.duration_s and (pull_ends := self.engine.next_pull_s) is not None:
                 await self._idle(pull_ends)  # only pulls under way
