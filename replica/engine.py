@@ -240,7 +240,7 @@ class Engine:
             )
         seq = Sequence(request, hasher, sample_seed)
         self._seqs[request.request_id] = seq
-        if not (request.pull_tokens and self._start_pull(seq, max(self.now, arrived_s or 0.0))):
+        if not self._awaits_kv(seq, max(self.now, arrived_s or 0.0)):
             self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -256,12 +256,22 @@ class Engine:
 
     # ------------------------------------------------------------ KV transfers
 
-    def _start_pull(self, seq: Sequence, now: float) -> bool:
-        """Start pulling the leading blocks a peer lends ``seq`` that this cache lacks;
-        ``False`` if it lacks none (the request is queued at once)."""
+    def _awaits_kv(self, seq: Sequence, now: float) -> bool:
+        """Whether ``seq`` waits, out of the batch, for KV to cross the link: for a pull
+        under way that brings more of its prompt than this cache holds and at least
+        what a peer lends it (two requests of one prefix sent here together: the second
+        would otherwise compute what is arriving), else for its own pull of the leading
+        blocks a peer lends it that this cache lacks. ``False``: it queues at once."""
+        if not (seq.request.pull_tokens or self.pulls):
+            return False
         size = self.config.block_size
-        lent = min(seq.request.pull_tokens // size, (seq.num_tokens - 1) // size)
-        local = len(self.cache.match(seq.block_hashes[:lent], bytes(seq.token_bytes)))
+        usable = seq.block_hashes[: (seq.num_tokens - 1) // size]  # the last token computed
+        local = len(self.cache.match(usable, bytes(seq.token_bytes)))
+        lent = min(seq.request.pull_tokens // size, len(usable))
+        arriving, ends = self.pulls.arriving(usable)
+        if arriving > local and arriving >= lent:
+            self.pulls.wait_for(seq, arriving, ends)
+            return True
         if lent <= local:
             return False
         seq.pulled_blocks = lent
@@ -322,7 +332,8 @@ class Engine:
             for queue in (scheduler.waiting, scheduler.running)
             for seq in queue
         )
-        return queued + sum(seq.num_prompt_tokens - seq.pulled_blocks * size for seq in self.pulls)
+        pulls = self.pulls
+        return queued + sum(seq.num_prompt_tokens - pulls.brings(seq) * size for seq in pulls)
 
     # --------------------------------------------------------------------- time
 

@@ -104,13 +104,20 @@ class Leases:
 
 
 class Pulls:
-    """The requests pulling their KV into an engine, by when each pull ends: one pull
-    at a time over the engine's link (``pull_s``: a pull's seconds for its tokens)."""
+    """The requests waiting for KV to cross into an engine, by when each wait ends: one
+    pull at a time over the engine's link (``pull_s``: a pull's seconds for its
+    tokens), and the requests that wait for a pull under way that brings their prefix
+    (a second request of a prompt being pulled computes nothing the pull brings)."""
 
     def __init__(self, pull_s: Callable[[int], float], stats: TransferStats) -> None:
         self._pull_s, self._stats = pull_s, stats
         self._heap: list[tuple[float, int, Sequence]] = []
         self._ends: dict[str, float] = {}
+        #: The leading blocks of its prompt each waiting request will find when its
+        #: wait ends (its own pull's, or those of the pull it waits for).
+        self._brings: dict[str, int] = {}
+        #: The pulls under way, by request id: what another request may wait for.
+        self._pulling: dict[str, Sequence] = {}
         self._link_free_s = 0.0
         self._count = 0
 
@@ -125,12 +132,37 @@ class Pulls:
         seconds = self._pull_s(tokens)
         ends = self.would_end_s(tokens, now)
         self._link_free_s = ends
-        self._count += 1
-        heapq.heappush(self._heap, (ends, self._count, seq))
-        self._ends[seq.request_id] = ends
+        self._queue(seq, seq.pulled_blocks, ends)
+        self._pulling[seq.request_id] = seq
         self._stats.pulls += 1
         self._stats.pulled_tokens += tokens
         self._stats.pull_s += seconds
+
+    def wait_for(self, seq: Sequence, blocks: int, ends: float) -> None:
+        """Queue ``seq`` when a pull under way ends that brings its ``blocks`` leading
+        blocks: it finds them cached then, as the pulling request's (nothing crosses
+        the link twice; a pull aborted meanwhile brings nothing, and it computes them)."""
+        self._queue(seq, blocks, ends)
+
+    def arriving(self, block_hashes: list[int]) -> tuple[int, float]:
+        """The most leading blocks of ``block_hashes`` a pull under way brings, and when
+        that pull ends ((0, 0.0): none)."""
+        best, ends = 0, 0.0
+        for seq in self._pulling.values():
+            shared = _leading_run(seq.block_hashes[: seq.pulled_blocks], block_hashes)
+            if shared > best:
+                best, ends = shared, self._ends[seq.request_id]
+        return best, ends
+
+    def brings(self, seq: Sequence) -> int:
+        """The leading blocks ``seq`` will find when its wait ends."""
+        return self._brings.get(seq.request_id, 0)
+
+    def _queue(self, seq: Sequence, blocks: int, ends: float) -> None:
+        self._count += 1
+        heapq.heappush(self._heap, (ends, self._count, seq))
+        self._ends[seq.request_id] = ends
+        self._brings[seq.request_id] = blocks
 
     def would_end_s(self, tokens: int, now: float) -> float:
         """When a pull of ``tokens`` started at ``now`` would end."""
@@ -147,13 +179,29 @@ class Pulls:
         """The requests whose pulls have ended by ``now``, in the order they ended."""
         while self._heap and self._heap[0][0] <= now:
             _, _, seq = heapq.heappop(self._heap)
-            del self._ends[seq.request_id]
+            self._forget(seq.request_id)
             yield seq
 
     def drop(self, seq: Sequence) -> bool:
         """Forget ``seq``'s pull (aborted); ``False`` if it has none under way."""
-        if self._ends.pop(seq.request_id, None) is None:
+        if seq.request_id not in self._ends:
             return False
+        self._forget(seq.request_id)
         self._heap = [entry for entry in self._heap if entry[2] is not seq]
         heapq.heapify(self._heap)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        del self._ends[request_id], self._brings[request_id]
+        self._pulling.pop(request_id, None)
+
+
+def _leading_run(a: list[int], b: list[int]) -> int:
+    """How many leading block hashes ``a`` and ``b`` share (a block's hash chains its
+    prefix's, so the first difference ends the shared prefix)."""
+    shared = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return shared

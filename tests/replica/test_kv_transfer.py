@@ -103,6 +103,31 @@ def test_pulls_share_the_receivers_link_one_after_another():
     assert receiver.pull_end_s("b") == pytest.approx(2 * one)
 
 
+def test_a_second_request_of_a_prefix_being_pulled_waits_for_the_pull():
+    """Two requests of one prompt sent to a replica together, the first pulling its
+    prefix: the second neither computes nor pulls what is arriving (before, it
+    computed the whole prompt in the step the pulled request joined, and both waited)."""
+    receiver = engine()
+    receiver.add_request(EngineRequest("a", PROMPT, 1, pull_tokens=1984))
+    receiver.add_request(EngineRequest("b", PROMPT, 1))
+    assert receiver.pull_end_s("b") == receiver.pull_end_s("a")
+    assert receiver.num_waiting == 2
+    assert receiver.queued_prefill_tokens == 2 * (len(PROMPT) - 1984)
+    run(receiver)
+    assert receiver.transfers.pulls == 1 and receiver.transfers.pulled_tokens == 1984
+    assert receiver.prefill_tokens_computed == 2 * (len(PROMPT) - 1984)
+
+
+def test_a_request_waiting_for_an_aborted_pull_computes_its_prompt():
+    receiver = engine()
+    receiver.add_request(EngineRequest("a", PROMPT, 1, pull_tokens=1984))
+    receiver.add_request(EngineRequest("b", PROMPT, 1))
+    assert receiver.abort("a")
+    run(receiver)
+    assert receiver.prefill_tokens_computed == len(PROMPT)  # nothing arrived for it
+    assert receiver.cache.stats.hit_tokens == 0
+
+
 def test_a_pull_runs_beside_the_decodes_of_the_batch():
     """The decode steps go on while a pull is under way: no decode waits for it."""
     receiver = engine(peer_link="tcp")  # a slow link: a pull of 85 ms
