@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import aiohttp
 
@@ -140,6 +140,23 @@ class HotPrefixView:
 
 
 @dataclass(frozen=True)
+class PoolView:
+    """The replicas of one role, summed: a disaggregated fleet's prefill and decode
+    pools (``both``: replicas that do both, as every replica of an aggregated fleet)."""
+
+    role: str
+    replicas: list[str]
+    healthy: int
+    outstanding_requests: int
+    outstanding_prefill_tokens: int
+    #: Their GPU caches as they report (``None``: none of them says).
+    gpu_blocks: int | None
+    gpu_cached_blocks: int | None
+    #: The KV they moved, summed over those that report it.
+    transfers: TransferFigures
+
+
+@dataclass(frozen=True)
 class DashboardView:
     ts: float
     policy: str
@@ -157,6 +174,10 @@ class DashboardView:
     #: Per policy, the chart points after the ``since`` the page asked for.
     series: dict[str, list[Point]] = field(default_factory=dict)
     text_shown: bool = False
+    #: The replicas by role, prefill first, and the requests by how their KV got to
+    #: the replica that answered (``local``, ``disaggregated``, ``pulled``).
+    pools: list[PoolView] = field(default_factory=list)
+    paths: dict[str, int] = field(default_factory=dict)
 
 
 async def replica_figures(gateway: Gateway, timeout_s: float) -> dict[str, ReplicaStats | None]:
@@ -228,6 +249,17 @@ def build(
     starts = {name: history.window_start(now, name) for name in now.replicas}
     states = {b.state.replica_id: b.state for b in gateway.pool.backends}
     history.add(now)
+    replica_views = [
+        _replica_view(
+            gateway,
+            states.get(b.replica_id),
+            b,
+            replicas.get(b.replica_id),
+            now,
+            starts[b.replica_id],
+        )
+        for b in stats.backends
+    ]
     return DashboardView(
         ts=ts,
         policy=stats.policy,
@@ -237,24 +269,50 @@ def build(
         queued=stats.queued,
         refused=stats.refused,
         retries=stats.retries,
-        replicas=[
-            _replica_view(
-                gateway,
-                states.get(b.replica_id),
-                b,
-                replicas.get(b.replica_id),
-                now,
-                starts[b.replica_id],
-            )
-            for b in stats.backends
-        ],
+        replicas=replica_views,
         policies=_policy_views(stats, predicted),
         hot_prefixes=_hot_prefixes(gateway, hot_shown, show_text),
         models=_models(gateway, stats),
         tenants=_tenants(stats),
         series=history.points(since),
         text_shown=show_text,
+        pools=_pools(replica_views),
+        paths=dict(sorted(stats.paths.items())),
     )
+
+
+#: The order pools are shown in: the way a disaggregated request goes.
+ROLES = ("prefill", "decode", "both")
+
+
+def _pools(replicas: list[ReplicaView]) -> list[PoolView]:
+    """The replicas summed by role, in :data:`ROLES`' order."""
+    pools = []
+    for role in sorted({r.role for r in replicas}, key=_role_rank):
+        members = [r for r in replicas if r.role == role]
+        reported = [r for r in members if r.gpu_blocks is not None]
+        moved = [asdict(r.transfers) for r in members if r.transfers is not None]
+        transfers = TransferFigures(**{k: sum(m[k] for m in moved) for k in _TRANSFER_FIELDS})
+        pools.append(
+            PoolView(
+                role,
+                [r.replica_id for r in members],
+                sum(r.healthy for r in members),
+                sum(r.outstanding_requests for r in members),
+                sum(r.outstanding_prefill_tokens for r in members),
+                sum(r.gpu_blocks or 0 for r in reported) if reported else None,
+                sum(r.gpu_cached_blocks or 0 for r in reported) if reported else None,
+                transfers,
+            )
+        )
+    return pools
+
+
+_TRANSFER_FIELDS = [f.name for f in fields(TransferFigures)]
+
+
+def _role_rank(role: str) -> tuple[int, str]:
+    return (ROLES.index(role) if role in ROLES else len(ROLES), role)
 
 
 def _replica_view(

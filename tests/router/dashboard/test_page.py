@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from selenium.common.exceptions import NoSuchElementException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deploy.processes import free_port, running, start, stop, wait_until
 from replica.api.identity import DEFAULT_MODEL
+from tests.router.dashboard.page import cell, refreshed_after
 from tests.shared import gateway_stats, replica_stats, settled, wait_until_indexed
 
 pytestmark = pytest.mark.slow
@@ -62,35 +62,6 @@ def status(driver: WebDriver) -> str:
 def use_key(driver: WebDriver, key: str) -> None:
     driver.find_element(By.ID, "key").send_keys(key)
     driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
-
-
-def refreshed_after(driver: WebDriver, moment: float, timeout_s: float = 30) -> None:
-    """Wait for a refresh whose figures the gateway computed after ``moment``."""
-
-    def done(d: WebDriver) -> bool:
-        shown = d.find_element(By.TAG_NAME, "body").get_attribute("data-refreshed")
-        return bool(shown) and float(shown) > moment
-
-    WebDriverWait(driver, timeout_s).until(done)
-
-
-def shown(driver: WebDriver, selector: str) -> tuple[str, str]:
-    """An element's text and raw value, read in one script: the page re-renders its
-    tables on every refresh, so an element found first and read after can be stale."""
-    found = driver.execute_script(
-        "const e = document.querySelector(arguments[0]);"
-        "return e && [e.innerText.trim(), e.getAttribute('data-value')];",
-        selector,
-    )
-    if found is None:
-        raise NoSuchElementException(f"nothing matches {selector}")
-    text, value = found
-    return str(text), str(value)
-
-
-def cell(driver: WebDriver, row: str, field: str) -> tuple[str, str]:
-    """A table cell's text and raw value."""
-    return shown(driver, f'{row} [data-field="{field}"]')
 
 
 def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, tmp_path):

@@ -111,6 +111,39 @@ function replicaCell(r) {
   return td;
 }
 
+// The replicas by role, and the requests by how their KV got where they ran: shown
+// once the fleet has roles or any KV moved.
+function renderPools(view) {
+  const paths = Object.entries(view.paths);
+  const moved = view.pools.some((p) => p.role !== "both" || p.transfers.pulls || p.transfers.lent_blocks) ||
+    paths.some(([path, count]) => path !== "local" && count);
+  $("#pools-section").hidden = !moved;
+  $("#paths").replaceChildren(...paths.flatMap(([path, count], i) => {
+    const span = document.createElement("span");
+    span.dataset.field = path;
+    span.dataset.value = String(count);
+    span.textContent = `${path} ${int(count)}`;
+    return i ? [document.createTextNode(" · "), span] : [span];
+  }));
+  fillTable("#pools", "pool", view.pools.map((p) => [p.role, p]), (p) => {
+    const t = p.transfers;
+    const down = p.replicas.length - p.healthy;
+    return [
+      cell("role", p.role, p.role),
+      cell("replicas", p.replicas.join(","), p.replicas.length + (down ? ` (${down} down)` : "")),
+      cell("outstanding_requests", p.outstanding_requests, int(p.outstanding_requests)),
+      cell("outstanding_prefill_tokens", p.outstanding_prefill_tokens, int(p.outstanding_prefill_tokens)),
+      bar(p.gpu_cached_blocks, p.gpu_blocks, "gpu"),
+      cell("pulls", t.pulls, int(t.pulls)),
+      cell("pulled_tokens", t.pulled_tokens, int(t.pulled_tokens)),
+      cell("pull_s", t.pull_s, ms(t.pull_s)),
+      cell("lent_blocks", t.lent_blocks, int(t.lent_blocks)),
+      cell("pull_fallbacks", t.pull_fallbacks, int(t.pull_fallbacks)),
+      cell("hold_timeouts", t.hold_timeouts, int(t.hold_timeouts)),
+    ];
+  });
+}
+
 // Its base model, and the adapters in its GPU slots after a "+".
 function modelCell(r) {
   const loaded = r.loaded_adapters || [];
@@ -283,6 +316,7 @@ async function refresh() {
   addPoints(view.series);
   renderFleet(view);
   renderReplicas(view);
+  renderPools(view);
   renderModels(view);
   renderTenants(view);
   renderPolicies(view);
