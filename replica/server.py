@@ -73,7 +73,9 @@ async def completions(body: api.CompletionRequest, request: Request) -> Response
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
     replica = _replica(request)
-    prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages())
+    # pieces cached per salt, as the KV is: one tenant cannot time another's text
+    scope = body.cache_salt
+    prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages(), cache_scope=scope)
     return await replica.answer(body, [prompt], str(request.base_url))
 
 

@@ -22,8 +22,9 @@ from replica.api import openai as api
 from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed
 from replica.api.kv_events import KVEventPage
-from replica.api.model_tokenizer import load_tokenizer
+from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.stats import CacheFigures, LoadReport, ReplicaStats, TransferFigures
+from replica.api.token_cache import TokenCacheStats
 from replica.engine import Engine, EngineConfig, EngineDead, EngineRequest, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
@@ -295,6 +296,7 @@ class Replica:
             resident_adapters=engine.adapters.resident,
             adapter_loads=engine.adapters.loads,
             transfers=self._transfer_figures(),
+            tokenizer_cache=_pieces_figures(engine.tokenizer),
         )
 
     def _transfer_figures(self) -> TransferFigures:
@@ -343,3 +345,10 @@ def _echo(
     body: api.CompletionRequest | api.ChatCompletionRequest,
 ) -> TypeGuard[api.CompletionRequest]:
     return isinstance(body, api.CompletionRequest) and body.echo
+
+
+def _pieces_figures(tokenizer: object) -> TokenCacheStats | None:
+    """What a Hugging Face tokenizer's cache of chats' pieces holds (``None``: none)."""
+    if isinstance(tokenizer, HFTokenizer) and tokenizer.pieces is not None:
+        return tokenizer.pieces.stats()
+    return None

@@ -4,8 +4,9 @@ A completion request walks the stages of ``router/path/`` once each, in one
 direction; each takes the value the stage before returned and returns the next, and
 none calls back into the gateway:
 
+    ApiKeys         the tenant of its key (401 before any work without one)   -> Tenant
     envelope.read   the body (413 over the limits), its prompt tokenized     -> Envelope
-    Resolver        tenant, salt, class, model, session, the prompt's keys   -> Ticket
+    Resolver        salt, class, model, session, the prompt's keys           -> Ticket
     Admitter        a slot on a replica of its model, or its turn in the queue -> replicas
     Placer          the policy's choice within the tenant's budget, recorded  -> Placement
     Dispatcher      upstream, the answer relayed; settled when it ends       -> Response
@@ -111,7 +112,7 @@ class Gateway:
         """The stages after the envelope, each given the parts it uses and no more."""
         config, models, pool, accounting = self.config, self.models, self.pool, self.accounting
         resolver = Resolver(
-            config, self.keys, models, self.prefix_keys, self.hot_prefixes, self.salts, accounting
+            config, models, self.prefix_keys, self.hot_prefixes, self.salts, accounting
         )
         admitter = Admitter(config, self.queue, pool, models)
         placer = Placer(models, pool, self.salts, accounting, fair)
@@ -120,8 +121,10 @@ class Gateway:
 
     async def handle(self, request: Request, path: str, chat: bool) -> Response:
         """One completion request, through the stages (see the module's doc)."""
-        read = await envelope.read(request, path, chat, self.config, self.tokenizer)
-        ticket = self.resolver.resolve(read)
+        tenant = self.keys.tenant(request.headers.get("authorization"))  # 401 before any work
+        name = tenant.name if tenant else None
+        read = await envelope.read(request, path, chat, self.config, self.tokenizer, name)
+        ticket = self.resolver.resolve(read, tenant)
         if not self.pool.backends:
             return error_response("no backends to route to", 503)
         try:

@@ -92,9 +92,13 @@ class HFTokenizer:
         return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        cache_scope: str | None = None,
     ) -> np.ndarray:
-        """The conversation rendered by the model's template, then encoded as is."""
+        """The conversation rendered by the model's template, then encoded as is (its
+        pieces cached apart for each ``cache_scope``)."""
         if self.render is None:
             raise ValueError(
                 f"tokenizer {self.name} has no chat template: give one (--chat-template FILE)"
@@ -108,7 +112,7 @@ class HFTokenizer:
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template: {error}") from None
         if self.pieces is not None:
-            return self.pieces.encode(text)
+            return self.pieces.encode(text, cache_scope)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=TOKEN_DTYPE)
 

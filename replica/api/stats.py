@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter
 
 from replica.api.config import ReplicaConfig
+from replica.api.token_cache import TokenCacheStats
 
 T = TypeVar("T")
 
@@ -127,6 +128,9 @@ class ReplicaStats:
     resident_adapters: tuple[str, ...] = ()
     adapter_loads: int = 0
     transfers: TransferFigures = TransferFigures()
+    #: Its tokenizer's cache of chats' pieces, per cache salt (None: none, as for
+    #: ``bytes4``).
+    tokenizer_cache: TokenCacheStats | None = None
 
 
 def encode(value: Any) -> dict[str, Any]:

@@ -48,8 +48,15 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int] | np.ndarray) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
-    ) -> np.ndarray: ...
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        cache_scope: str | None = None,
+    ) -> np.ndarray:
+        """The conversation's ids. ``cache_scope``: whose cache of earlier pieces the
+        encoding may use (a tenant's: a piece only another scope sent is encoded again,
+        so its timing tells nothing of what others sent)."""
+        ...
 
 
 # The toy model's vocabulary: consonant-vowel-consonant words and a space, so that a
@@ -88,9 +95,13 @@ class ByteTokenizer:
         return ids.tobytes().decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        cache_scope: str | None = None,
     ) -> np.ndarray:
-        """Token ids of the rendered conversation (see :func:`render_chat`)."""
+        """Token ids of the rendered conversation (see :func:`render_chat`); no cache,
+        so no scope."""
         return np.frombuffer(render_chat(messages, add_generation_prompt), dtype=TOKEN_DTYPE)
 
 

@@ -53,13 +53,19 @@ class Envelope:
 
 
 async def read(
-    request: Request, path: str, chat: bool, config: GatewayConfig, tokenizer: Tokenizer
+    request: Request,
+    path: str,
+    chat: bool,
+    config: GatewayConfig,
+    tokenizer: Tokenizer,
+    tenant: str | None = None,
 ) -> Envelope:
     """Read a completion request: 413 over the limits, 400 if its body is not a JSON
-    object; its prompt tokenized with the replicas' tokenizer and chat template."""
+    object; its prompt tokenized with the replicas' tokenizer and chat template (from
+    ``tenant``'s own cache of conversations' pieces)."""
     received = time.perf_counter()
     raw, body = await read_body(request, config)
-    prompts = request_prompts(body, chat, tokenizer)
+    prompts = request_prompts(body, chat, tokenizer, tenant)
     if prompts is not None:
         check_length(prompts, config.max_prompt_tokens, "messages" if chat else "prompt")
     prompt = prompts[0] if prompts else None
@@ -94,14 +100,15 @@ async def read_body(request: Request, config: GatewayConfig) -> tuple[bytes, dic
 
 
 def request_prompts(
-    body: dict[str, Any], chat: bool, tokenizer: Tokenizer
+    body: dict[str, Any], chat: bool, tokenizer: Tokenizer, tenant: str | None = None
 ) -> list[np.ndarray] | None:
     """The request's prompts: the conversation through the chat template, or every
     prompt of a batch (the first is routed by, each is checked against the limit);
     ``None`` if they cannot be read (the backend will say why)."""
     try:
         if chat:
-            return [tokenizer.apply_chat_template(api.chat_prompt_messages(body["messages"]))]
+            messages = api.chat_prompt_messages(body["messages"])
+            return [tokenizer.apply_chat_template(messages, cache_scope=tenant)]
         return api.prompt_token_ids(body["prompt"], tokenizer)
     except (KeyError, ValueError):  # pydantic's and Rejected are ValueErrors too
         return None

@@ -1,7 +1,7 @@
 """Stage 2 of the request path: resolve who sent a request and how it is routed.
 
-From the envelope: the tenant (its API key; 401 without one when keys are
-configured), the cache salt that seeds its block identities (in the gateway and,
+From the envelope and its tenant (whose API key the gateway checked first): the
+cache salt that seeds its block identities (in the gateway and,
 through the ``cache_salt`` field forwarded, in the replica), its class and weight,
 the model or adapter it names (404 if no replica serves it), the client's session key,
 and the prompt's keys at every ``stride``-th block boundary. Out comes a
@@ -23,7 +23,7 @@ from replica.api.identity import affinity_key, identity_seed
 from router.config import GatewayConfig
 from router.core import RoutingRequest
 from router.fair.fairness import PRIORITY_HEADER, priority_rank
-from router.fair.tenants import ApiKeys, SaltBook, Tenant, tenant_salt
+from router.fair.tenants import SaltBook, Tenant, tenant_salt
 from router.fleet.models import ModelRoutes, ServedName
 from router.index.hot_prefixes import HotPrefixes
 from router.index.key_cache import PrefixKeyCache
@@ -43,26 +43,25 @@ class Ticket:
 
 
 class Resolver:
-    """Resolves envelopes for one gateway, from its keys, models and key cache."""
+    """Resolves envelopes for one gateway, from its models and key cache."""
 
     def __init__(
         self,
         config: GatewayConfig,
-        keys: ApiKeys,
         models: ModelRoutes,
         prefix_keys: PrefixKeyCache,
         hot_prefixes: HotPrefixes,
         salts: SaltBook,
         accounting: Accounting,
     ) -> None:
-        self.config, self.keys, self.models = config, keys, models
+        self.config, self.models = config, models
         self.prefix_keys, self.hot_prefixes = prefix_keys, hot_prefixes
         self.salts, self.accounting = salts, accounting
 
-    def resolve(self, envelope: Envelope) -> Ticket:
-        """The envelope's ticket; raises :class:`~router.fair.tenants.Unauthorized` or
-        ``api.Rejected`` (404, an unknown model; 400, an unknown class)."""
-        tenant = self.keys.tenant(envelope.headers.get("authorization"))
+    def resolve(self, envelope: Envelope, tenant: Tenant | None) -> Ticket:
+        """The envelope's ticket, for ``tenant`` (whose key the gateway checked before
+        reading the body); raises ``api.Rejected`` (404, an unknown model; 400, an
+        unknown class)."""
         name = tenant.name if tenant else None
         salt = tenant_salt(name, envelope.cache_salt)
         fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}

@@ -88,3 +88,17 @@ def test_a_tokenizer_that_could_cut_differently_gets_no_cache():
     )
     assert PieceCache.for_tokenizer(tokenizer_with(first_only, plain)) is None
     assert PieceCache.for_tokenizer(tokenizer_with(every_piece, stripping)) is None
+
+
+def test_a_piece_is_found_only_by_the_scope_that_sent_it(tiny):
+    """A tenant's chat tokenizes in the same time whatever another tenant sent: a long
+    system prompt tenant A sent is encoded again for tenant B, and its ids are the same."""
+    cache = PieceCache(tiny.tokenizer)
+    system = " ".join(WORDS * 40)
+    text = f"<|start_header_id|>system<|end_header_id|>{system}<|eot_id|>"
+    ids = cache.encode(text, "tenant-a").tolist()
+    encoded = cache.stats().encoded_tokens
+    assert cache.encode(text, "tenant-b").tolist() == ids
+    assert cache.stats().hits == 0 and cache.stats().encoded_tokens == 2 * encoded
+    assert cache.encode(text, "tenant-a").tolist() == ids  # its own: found
+    assert cache.stats().hit_tokens == encoded  # every piece of it
