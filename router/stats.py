@@ -7,7 +7,7 @@ Encoded and decoded with the contract's codec (``replica.api.stats``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from replica.api.token_cache import TokenCacheStats
 from router.config import GatewayConfig
@@ -196,3 +196,29 @@ class GatewayStats:
     def by_policy(self, policy: str) -> list[PolicyCounts]:
         """Each backend's counts under ``policy`` (zeros where it routed nothing)."""
         return [b.by_policy.get(policy, PolicyCounts()) for b in self.backends]
+
+
+def for_monitoring(stats: GatewayStats) -> GatewayStats:
+    """What a caller without an administrator's key sees where keys are configured: the
+    fleet's health, load and hit rates, with no topology (each backend named by its
+    place, no URL, its KV stream's health without its endpoint), no hot prefixes, no
+    tenants and no caches whose counts follow what others send."""
+    backends = [
+        replace(
+            b,
+            url="",
+            replica_id=f"backend-{place}",
+            kv_stream=replace(b.kv_stream, endpoint="") if b.kv_stream else None,
+            unchecked=[],
+            approximate_reason=None,
+        )
+        for place, b in enumerate(stats.backends)
+    ]
+    return replace(
+        stats,
+        backends=backends,
+        tenants={},
+        hot_sets=[],
+        tokenizer_cache=None,
+        key_cache=None,
+    )

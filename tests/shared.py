@@ -69,22 +69,25 @@ def replica_stats(url: str) -> ReplicaStats:
     return stats_codec.decode(ReplicaStats, httpx.get(f"{url}/stats").content)
 
 
-def wait_until_checked(gateway: str, backends: int = 1, timeout_s: float = 60.0) -> GatewayStats:
+def wait_until_checked(
+    gateway: str, backends: int = 1, timeout_s: float = 60.0, key: str | None = None
+) -> GatewayStats:
     """Until the gateway routes ``backends`` backends and has checked each of them (its
-    canary prompts are answered: router/fleet/backend_check.py)."""
+    canary prompts are answered: router/fleet/backend_check.py). ``key``: an admin's,
+    where keys are configured, for the figures of /stats that name the backends."""
 
     def checked() -> bool:
         now = gateway_stats(gateway).backends
         return len(now) >= backends and all(b.routing_mode != "checking" for b in now)
 
     wait_for(checked, timeout_s, f"{gateway} checking its backends")
-    return gateway_stats(gateway)
+    return gateway_stats(gateway, key)
 
 
-def settled(gateway: str, replicas: list[str]) -> GatewayStats:
+def settled(gateway: str, replicas: list[str], key: str | None = None) -> GatewayStats:
     """The gateway has checked every replica, and their statistics start from zero (the
-    canaries of the check counted as requests)."""
-    stats = wait_until_checked(gateway, len(replicas))
+    canaries of the check counted as requests). ``key``: as for wait_until_checked."""
+    stats = wait_until_checked(gateway, len(replicas), key=key)
     for url in replicas:
         assert httpx.post(f"{url}/reset").status_code == 200
     return stats
@@ -273,6 +276,7 @@ def indexed(stats: GatewayStats) -> bool:
     )
 
 
-def wait_until_indexed(gateway: str, timeout_s: float = 10.0) -> None:
-    """Until the gateway at ``gateway`` has indexed every event its replicas published."""
-    wait_for(lambda: indexed(gateway_stats(gateway)), timeout_s, f"{gateway}'s index")
+def wait_until_indexed(gateway: str, timeout_s: float = 10.0, key: str | None = None) -> None:
+    """Until the gateway at ``gateway`` has indexed every event its replicas published
+    (``key``: an admin's, where keys are configured: /stats names the backends to it)."""
+    wait_for(lambda: indexed(gateway_stats(gateway, key)), timeout_s, f"{gateway}'s index")

@@ -36,6 +36,7 @@ from router.http.dashboard.history import History
 from router.http.dashboard.view import build, replica_figures
 from router.http.metrics import GatewayMetrics
 from router.policies import POLICIES
+from router.stats import for_monitoring
 
 #: The longest a gateway that follows Ray's replicas waits, before it serves, for their
 #: replay buffers to be in its index (a replay is a ZMQ round trip per replica).
@@ -226,21 +227,21 @@ async def health(request: Request) -> Response:
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     metrics: GatewayMetrics = request.app.state.metrics
-    body = metrics.render(tenants=_sees_tenants(request))
+    body = metrics.render(admin=_is_admin(request))
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
 @routes.get("/stats")
 async def stats(request: Request) -> dict[str, Any]:
     figures = _gateway(request).stats()
-    if not _sees_tenants(request):
-        figures = dataclasses.replace(figures, tenants={})
-    return stats_codec.encode(figures)
+    return stats_codec.encode(figures if _is_admin(request) else for_monitoring(figures))
 
 
-def _sees_tenants(request: Request) -> bool:
-    """Per-tenant figures are an administrator's when keys are configured, as on the
-    dashboard; the rest of ``/stats`` and ``/metrics`` stays open to monitoring."""
+def _is_admin(request: Request) -> bool:
+    """The fleet's topology (backends' addresses, KV-stream endpoints, hot prefixes) and
+    per-tenant figures are an administrator's when keys are configured, as on the
+    dashboard; the fleet's health and load in ``/stats`` and ``/metrics`` stay open to
+    monitoring. Anyone's when keys are off."""
     try:
         request.app.state.keys.admin(request.headers.get("authorization"))
     except Unauthorized:

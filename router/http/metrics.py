@@ -1,5 +1,10 @@
 """The gateway's Prometheus figures: one histogram observed per request, the rest read
-from the accounting, the backends and the queue at scrape time."""
+from the accounting, the backends and the queue at scrape time.
+
+Where API keys are configured, the families labelled by backend (they name the fleet's
+replicas: its topology) and by tenant are an administrator's to scrape (Prometheus's
+``authorization`` in the scrape config); the fleet-wide families stay open to monitoring.
+"""
 
 from __future__ import annotations
 
@@ -72,19 +77,19 @@ class GatewayMetrics:
         self._accounting, self._pool, self._admission = accounting, pool, admission
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        #: Apart: who sends what is an administrator's to see when keys are configured.
-        self.tenant_registry = CollectorRegistry()
-        self.tenant_registry.register(TenantMetrics(accounting, footprint))
         ProcessCollector(registry=self.registry)  # memory and CPU of the gateway
+        #: Apart: the replicas (their addresses) and who sends what are an
+        #: administrator's to see when keys are configured.
+        self.admin_registry = CollectorRegistry()
+        self.admin_registry.register(BackendMetrics(accounting, pool))
+        self.admin_registry.register(TenantMetrics(accounting, footprint))
 
-    def render(self, tenants: bool = True) -> bytes:
-        """The exposition text; the ``prefix_router_tenant_*`` families with ``tenants``."""
+    def render(self, admin: bool = True) -> bytes:
+        """The exposition text; the families by backend and by tenant with ``admin``."""
         text = generate_latest(self.registry)
-        return text + generate_latest(self.tenant_registry) if tenants else text
+        return text + generate_latest(self.admin_registry) if admin else text
 
     def collect(self) -> Iterable[Metric]:
-        yield from self._by_policy()
-        yield from self._by_replica()
         yield from self._by_policy_totals()
         admission = self._admission
         yield GaugeMetricFamily(
@@ -112,6 +117,37 @@ class GatewayMetrics:
         for path, count in sorted(self._accounting.paths.items()):
             paths.add_metric([path], count)
         yield paths
+
+    def _by_policy_totals(self) -> Iterable[Metric]:
+        """Every request per policy, and its time to first token seen from the gateway."""
+        yield from _request_families("policy", self._accounting.policies)
+        yield from _request_families("model", self._accounting.models)
+        ttft = HistogramMetricFamily(
+            "prefix_router_time_to_first_token_seconds",
+            "Time from dispatch to the first token, per policy.",
+            labels=["policy"],
+        )
+        for policy, histogram in self._accounting.ttft.items():
+            ttft.add_metric([policy], _buckets(histogram), histogram.sum_s)
+        yield ttft
+        overhead = HistogramMetricFamily(
+            "prefix_router_gateway_overhead_seconds",
+            "Time from receiving a request to sending it upstream.",
+        )
+        histogram = self._accounting.overhead
+        overhead.add_metric([], _buckets(histogram), histogram.sum_s)
+        yield overhead
+
+
+class BackendMetrics:
+    """The families labelled by backend (``replica``: its id, often its URL)."""
+
+    def __init__(self, accounting: Accounting, pool: BackendPool) -> None:
+        self._accounting, self._pool = accounting, pool
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._by_policy()
+        yield from self._by_replica()
         roles = GaugeMetricFamily(
             "prefix_router_backend_role",
             "Each backend's role in a disaggregated fleet (1 for its role).",
@@ -168,26 +204,6 @@ class GatewayMetrics:
             unkeyed.add_metric([name], backend.unkeyed_blocks)
             precise.add_metric([name, backend.routing_mode], int(backend.state.precise))
         yield from (outstanding, failed, unkeyed, precise)
-
-    def _by_policy_totals(self) -> Iterable[Metric]:
-        """Every request per policy, and its time to first token seen from the gateway."""
-        yield from _request_families("policy", self._accounting.policies)
-        yield from _request_families("model", self._accounting.models)
-        ttft = HistogramMetricFamily(
-            "prefix_router_time_to_first_token_seconds",
-            "Time from dispatch to the first token, per policy.",
-            labels=["policy"],
-        )
-        for policy, histogram in self._accounting.ttft.items():
-            ttft.add_metric([policy], _buckets(histogram), histogram.sum_s)
-        yield ttft
-        overhead = HistogramMetricFamily(
-            "prefix_router_gateway_overhead_seconds",
-            "Time from receiving a request to sending it upstream.",
-        )
-        histogram = self._accounting.overhead
-        overhead.add_metric([], _buckets(histogram), histogram.sum_s)
-        yield overhead
 
 
 def _buckets(histogram: LatencyHistogram) -> list[tuple[str, float]]:

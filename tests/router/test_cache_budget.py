@@ -96,7 +96,7 @@ def test_replicas_of_unknown_content_or_size_are_never_excluded():
 @pytest.mark.slow
 def test_through_the_gateway_a_tenant_at_its_budget_keeps_its_new_prompts_together(tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("k-rag rag budget=0.1\n")
+    keys.write_text("k-rag rag budget=0.1\nk-ops ops admin\n")
     replica = ["replica", "--speedup", "20", "--num-blocks", "1000"]
     with running(replica, replica, replica) as replicas:
         backends = [f"--backend={url}" for url in replicas]
@@ -113,7 +113,7 @@ def test_through_the_gateway_a_tenant_at_its_budget_keeps_its_new_prompts_togeth
                 )
                 assert response.status_code == 200, response.text
                 served.append(response.headers["x-prefix-router-replica"])
-                wait_until_indexed(url)  # its blocks are counted before the next choice
+                wait_until_indexed(url, key="k-ops")  # counted before the next choice
     # Each of the first three fills its replica past the budget (100 blocks), so the next
     # goes where it is below; then, at its budget everywhere, it churns where it holds most.
     assert len(set(served[:3])) == 3

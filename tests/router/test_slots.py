@@ -113,7 +113,7 @@ def test_through_the_gateway_a_light_tenants_turn_stays_on_its_full_replica(tmp_
     and its next turn still goes there, over the cap, instead of to the other replica
     (free, but cold)."""
     keys = tmp_path / "keys.txt"
-    keys.write_text("flood-key flood\nlight-key light\n")
+    keys.write_text("flood-key flood\nlight-key light\nops-key ops admin\n")
     replica = ["replica", "--speedup", "0.2"]
     with running(replica, replica) as replicas:
         backends = [f"--backend={u}" for u in replicas]
@@ -147,7 +147,7 @@ async def light_turns(url: str) -> tuple[str, dict[str, int], str]:
         await asyncio.sleep(0.5)  # one on each replica: the flood may take no more
         running_.append(asyncio.create_task(ask(client, "light-key", history + " Q1?", 120)))
         await asyncio.sleep(0.5)  # on its home, now full
-        response = await client.get(f"{url}/stats", headers={"authorization": "Bearer light-key"})
+        response = await client.get(f"{url}/stats", headers={"authorization": "Bearer ops-key"})
         stats = stats_codec.decode(GatewayStats, response.content)
         held = {b.replica_id: b.outstanding_requests for b in stats.backends}
         second = await ask(client, "light-key", history + " Q2?", 1)

@@ -13,6 +13,7 @@ from tests.shared import build_hf_tokenizer, gateway_stats, replica_stats, wait_
 pytestmark = pytest.mark.slow
 
 KEYS = {"a": "key-of-tenant-a", "b": "key-of-tenant-b"}
+ADMIN = "key-of-the-operator"
 SYSTEM = "You are a helpful assistant for the support desk of a bicycle shop. " * 40
 LONG_PROMPT = [10 + i % 290 for i in range(5000)]  # past the key cache's 4,096-token head
 
@@ -28,6 +29,7 @@ def test_a_tenants_text_is_tokenized_and_keyed_apart_from_another_tenants(tmp_pa
     model = str(build_hf_tokenizer(tmp_path / "model"))
     keys = tmp_path / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    keys.write_text(keys.read_text() + f"{ADMIN} ops admin\n")
     replica = ["replica", "--tokenizer", model, "--num-blocks", "1024", "--host-blocks", "0"]
     with running(replica) as (backend,):
         gateway = ["gateway", "--tokenizer", model, f"--backend={backend}"]
@@ -41,7 +43,7 @@ def test_a_tenants_text_is_tokenized_and_keyed_apart_from_another_tenants(tmp_pa
             }
             # the gateway's tokenizer, then the replica's (scoped by the tenant's salt)
             for pieces in (
-                lambda: gateway_stats(url).tokenizer_cache,
+                lambda: gateway_stats(url, ADMIN).tokenizer_cache,
                 lambda: replica_stats(backend).tokenizer_cache,
             ):
                 before = pieces()  # the pieces of the check's canary chat, or none
@@ -62,7 +64,7 @@ def test_a_tenants_text_is_tokenized_and_keyed_apart_from_another_tenants(tmp_pa
 
             send(url, "a", {"prompt": LONG_PROMPT})
             send(url, "b", {"prompt": LONG_PROMPT})  # a's keys are not b's: hashed whole
-            keyed = gateway_stats(url).key_cache
+            keyed = gateway_stats(url, ADMIN).key_cache
             assert keyed and keyed.misses == 2 and keyed.hits == 0
             send(url, "b", {"prompt": [*LONG_PROMPT, 20, 30]})
-            assert gateway_stats(url).key_cache.hits == 1  # b's own earlier prompt
+            assert gateway_stats(url, ADMIN).key_cache.hits == 1  # b's own earlier prompt

@@ -79,7 +79,7 @@ def test_tenants_are_isolated_through_the_gateway(tmp_path):
             # Each tenant's footprint in the cache, from the replica's events (the same
             # prompt under three salts: acme holds it twice, globex once).
             admin = {"authorization": "Bearer k-ops"}
-            wait_until_indexed(url)
+            wait_until_indexed(url, key="k-ops")
             footprint = httpx.get(f"{url}/stats", headers=admin).json()["tenants"]
             footprint_metrics = httpx.get(f"{url}/metrics", headers=admin).text
             cached_blocks = replica_stats(replica).cache.cached_blocks
@@ -91,15 +91,23 @@ def test_tenants_are_isolated_through_the_gateway(tmp_path):
             assert httpx.post(f"{url}/admin/policy", json=policy).status_code == 401
             headers = {"authorization": "Bearer k-ops"}
             assert httpx.post(f"{url}/admin/policy", json=policy, headers=headers).is_success
-            # Per-tenant figures, in /stats and in /metrics: an administrator's only.
+            # Per-tenant figures and the topology, in /stats and in /metrics: an
+            # administrator's only.
             tenants = httpx.get(f"{url}/stats", headers=headers).json()["tenants"]
             metrics = httpx.get(f"{url}/metrics", headers=headers).text
             for key in (None, "k-acme"):
                 other = {"authorization": f"Bearer {key}"} if key else {}
-                stats = httpx.get(f"{url}/stats", headers=other).json()
+                response = httpx.get(f"{url}/stats", headers=other)
+                stats = response.json()
                 assert stats["tenants"] == {} and stats["totals"]["requests"] == 6  # the rest stays
+                assert stats["backends"][0]["replica_id"] == "backend-0"
+                assert stats["backends"][0]["kv_stream"]["indexed_through"] > 0  # its health
+                assert stats["hot_sets"] == [] and stats["tokenizer_cache"] is None
                 seen = httpx.get(f"{url}/metrics", headers=other).text
-                assert "prefix_router_tenant_" not in seen and "prefix_router_routing" in seen
+                assert "prefix_router_tenant_" not in seen and "prefix_router_policy_" in seen
+                assert "prefix_router_routing_decisions" not in seen
+                for text in (response.text, seen):
+                    assert replica.removeprefix("http://") not in text  # no address of it
     assert tenants["acme"]["requests"] == 4 and tenants["globex"]["requests"] == 2
     assert tenants["globex"]["token_hit_rate"] == pytest.approx(0.5, abs=0.05)
     assert 'prefix_router_tenant_requests_total{tenant="acme"} 4.0' in metrics

@@ -77,12 +77,12 @@ def test_the_page_shows_what_stats_says_once_given_an_admin_key(fleet, browser, 
     WebDriverWait(browser, 30).until(
         lambda d: all(
             cell(d, f'#replicas tr[data-replica="{b.replica_id}"]', "gpu_cached_blocks")[1]
-            for b in gateway_stats(url).backends
+            for b in gateway_stats(url, ADMIN).backends
         )
     )
 
     drive_traffic(url)
-    wait_until_indexed(url)  # every block counted in the tenant's footprint
+    wait_until_indexed(url, key=ADMIN)  # every block counted in the tenant's footprint
     ended = time.time()
     refreshed_after(browser, ended + 1.0)  # a second sample after the traffic: chart points
     stats = gateway_stats(url, ADMIN)
