@@ -72,7 +72,7 @@ class BackendStats:
     load_prefill_tokens: int = 0
     #: KV blocks it could give a new request, as it last reported (None: not said).
     free_blocks: int | None = None
-    #: How its cache is known: ``checking`` (its join check runs; its events are trusted
+    #: How its cache is known: ``checking`` (its join check runs; routed approximately
     #: meanwhile), ``precise`` (from its events) or ``approximate`` (from the router's
     #: decisions), with the reason: what differs and the flag that fixes it.
     routing_mode: str = "checking"

@@ -14,11 +14,12 @@ joining backend is checked, in this order, stopping at the first disagreement:
    backend alone; the ``BlockStored`` events it causes must key
    (``router/index/event_keys.py``) to the router's identities of that prompt.
 
-A backend that passes is routed precisely. One that fails is routed approximately
+Until its check passes a backend is routed approximately; one that passes is routed
+precisely (what it published meanwhile read again). One that fails is routed approximately
 (from the router's own decisions, its events ignored), never blind, and the verdict
 names what differs and the flag that fixes it: logged once, shown in ``/stats``,
 ``prefix-router status`` and the dashboard. A check that cannot be made (an engine with
-no ``/tokenize``) is skipped and said so.
+no ``/tokenize``, a block size it does not say) is skipped and said so.
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ class BackendCheck:
                 self.model,
                 card.model,
             )
-        reason = self.block_size_difference(card.block_size if card else None)
+        engine_block_size = card.block_size if card else None
+        reason = self.block_size_difference(engine_block_size)
         if reason:
             return Verdict(False, reason)
+        unsaid = "block size (the engine does not say it; its events' blocks are checked)"
+        said = unsaid if engine_block_size is None else None
         reason, skipped = await self.tokenizer_difference(
             url, model, card.tokenizer if card else None
         )
@@ -133,7 +137,7 @@ class BackendCheck:
             reason, refused = await self.canary(url, model, watch, catch_up)
         finally:
             attach(None)
-        skips = tuple(s for s in (skipped, refused) if s)
+        skips = tuple(s for s in (said, skipped, refused) if s)
         return Verdict(reason is None, reason, skips)
 
     def block_size_difference(self, engine_block_size: int | None) -> str | None:

@@ -36,9 +36,13 @@ from router.fleet.backend_check import BackendCheck, CanaryWatch, Verdict
 from router.index.kv_subscriber import KVStreams, StreamState
 
 #: How the router knows a backend's cache: from its events once they are checked
-#: (``checking`` trusts them meanwhile), or from its own decisions (``approximate``).
+#: (``checking``: approximately, until its check passes), or from its own decisions
+#: (``approximate``).
 RoutingMode = Literal["checking", "precise", "approximate"]
 NOT_CHECKED = ("every check (--no-check-backends)",)
+#: An interrupted join check is tried again after this, doubling up to the most.
+CHECK_RETRY_S = 1.0
+CHECK_RETRY_MAX_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +225,7 @@ class BackendPool:
                 return backend
         name = replica_id or url
         capacity = capacity_blocks or (card.num_blocks if card else None) or self._capacity
-        state = ReplicaState(name, capacity)
+        state = ReplicaState(name, capacity, precise=self.check is None)  # trusted once checked
         kv_endpoint = kv_endpoint or (card.kv_events if card else None)
         backend = Backend(url, state, kv_endpoint=kv_endpoint, given_role=role)
         state.role = role or state.role
@@ -312,13 +316,21 @@ class BackendPool:
         await self._probe_forever(backend)
 
     def _start_check(self, backend: Backend) -> None:
+        """Check the backend (again: it may have come back as another engine); until
+        the check passes, it is routed approximately, its events not believed."""
         if self.check is None:  # its events are trusted as they come
             backend.routing_mode, backend.unchecked = "precise", NOT_CHECKED
-        elif backend._checker is None or backend._checker.done():
+            return
+        backend.routing_mode = "checking"
+        if backend.state.precise:
+            self._remodel(backend, precise=False)
+        if backend._checker is None or backend._checker.done():
             backend._checker = asyncio.get_running_loop().create_task(self._checked(backend))
 
     async def _checked(self, backend: Backend) -> None:
-        """Run the join check; on disagreement, route the backend approximately."""
+        """Run the join check until it gives a verdict, and apply it. An interrupted
+        check is tried again while the backend stays healthy (backing off to
+        ``CHECK_RETRY_MAX_S``); a backend that went down is checked on its return."""
         assert self.check is not None
         if backend.stream is None and not await self._serves_events(backend):
             verdict = Verdict(
@@ -327,7 +339,10 @@ class BackendPool:
                 "--kv-events-config and name the endpoint (--backend "
                 "URL,kv=tcp://HOST:PORT,replay=tcp://HOST:PORT)",
             )
-        else:
+            self._apply(backend, verdict)
+            return
+        wait_s = CHECK_RETRY_S
+        while True:
             try:
                 verdict = await self.check.check(
                     backend.url,
@@ -335,9 +350,19 @@ class BackendPool:
                     attach=lambda watch: setattr(backend, "canary", watch),
                     catch_up=lambda: self._catch_up(backend),
                 )
-            except (aiohttp.ClientError, TimeoutError) as error:  # it went away: on its return
-                log.info("backend %s: check interrupted (%r)", backend.url, error)
-                return
+                break
+            except (aiohttp.ClientError, TimeoutError) as error:
+                if not backend.healthy:  # it went away: checked again on its return
+                    log.info("backend %s: check interrupted (%r)", backend.url, error)
+                    return
+                log.warning(
+                    "backend %s: check interrupted (%r): again in %.0f s",
+                    backend.url,
+                    error,
+                    wait_s,
+                )
+                await asyncio.sleep(wait_s)
+                wait_s = min(2 * wait_s, CHECK_RETRY_MAX_S)
         self._apply(backend, verdict)
 
     def _catch_up(self, backend: Backend) -> None:
@@ -345,11 +370,15 @@ class BackendPool:
             self._streams.catch_up(backend)
 
     def _apply(self, backend: Backend, verdict: Verdict) -> None:
+        if verdict.skipped and verdict.skipped != backend.unchecked:
+            log.warning("backend %s: checks skipped: %s", backend.url, "; ".join(verdict.skipped))
         backend.unchecked = verdict.skipped
         if verdict.precise:
             backend.routing_mode, backend.approximate_reason = "precise", None
-            if not backend.state.precise:  # it was approximate before a restart
+            if not backend.state.precise:  # approximate while checked: its events now count
                 self._remodel(backend, precise=True)
+                if backend.stream is not None and self._streams is not None:
+                    self._streams.relearn(backend)  # what it published meanwhile
             return
         if backend.approximate_reason != verdict.reason:
             log.warning("backend %s is routed approximately: %s", backend.url, verdict.reason)
@@ -490,7 +519,8 @@ async def follow_ray_replicas(pool: BackendPool, prefix: str, interval_s: float 
 
 
 def _learned(backend: Backend) -> bool:
-    if not backend.joined:
+    """Joined, checked (its events believed or not), and its replay buffer indexed."""
+    if not backend.joined or backend.routing_mode == "checking":
         return False
     endpoint = backend.kv_endpoint or (backend.card.kv_events if backend.card else None)
     return endpoint is None or (backend.stream is not None and backend.stream.learned)

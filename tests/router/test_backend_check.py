@@ -2,13 +2,17 @@
 that disagrees with the gateway is routed approximately, with the reason and the flag
 that fixes it, never blind. Real replicas and gateways, as subprocesses."""
 
+import asyncio
 import time
 
+import aiohttp
 import httpx
 import pytest
 
 from deploy.processes import running
 from replica.tiny_model import TinyModelConfig, write_tiny_model
+from router.config import GatewayConfig
+from router.gateway import Gateway
 from tests.shared import logged_gateway, replica_stats, wait_until_checked
 
 pytestmark = pytest.mark.slow
@@ -99,3 +103,102 @@ def test_events_the_gateway_cannot_key_are_counted_when_nothing_checks_them(tmp_
         assert backend["unchecked"] == ["every check (--no-check-backends)"]
         metrics = httpx.get(f"{url}/metrics").text
         assert f'prefix_router_unkeyed_event_blocks_total{{replica="{replica}"}}' in metrics
+
+
+def test_a_backend_is_routed_approximately_until_its_check_passes():
+    """Its events are believed only once the check shows they key as the router's
+    identities: a prompt the replica cached meanwhile is unknown to the index while the
+    check runs (held here, the real check delayed), and read from its replay socket
+    once it passes."""
+    asyncio.run(_checked_late())
+
+
+async def _checked_late() -> None:
+    with running(["replica"]) as (replica,):
+        async with aiohttp.ClientSession() as client:
+            gateway = Gateway(GatewayConfig(), client)
+            pool, release = gateway.pool, asyncio.Event()
+            assert pool.check is not None
+            real_check = pool.check.check
+
+            async def held(*args, **kwargs):
+                await release.wait()
+                return await real_check(*args, **kwargs)
+
+            pool.check.check = held  # type: ignore[method-assign]
+            try:
+                (backend,) = [pool.add(replica)]
+                direct = {"prompt": PROMPT, "max_tokens": 1}
+                async with client.post(f"{replica}/v1/completions", json=direct) as answer:
+                    assert answer.status == 200
+                batches = replica_stats(replica).kv_event_batches
+                await until(lambda: indexed_through(backend) >= batches)
+                assert backend.routing_mode == "checking" and not backend.state.precise
+                keys = gateway.resolver.keyed(gateway.tokenizer.encode(PROMPT), None)
+                index = gateway.models.policy().prefix_index()
+                assert index is not None and index.match(keys.stride_hashes) == {}
+                release.set()
+                await until(lambda: backend.routing_mode == "precise")
+                assert backend.state.precise and backend.unchecked == ()
+                held_tokens = len(keys.stride_hashes) * GatewayConfig().routing.stride_tokens
+                await until(lambda: index.match(keys.stride_hashes).get(replica) == held_tokens)
+            finally:
+                await pool.close()
+
+
+def test_an_interrupted_check_is_tried_again_while_the_backend_stays_up():
+    """A check cut short (a timeout) while the backend answers its health probes gives a
+    verdict on its next try, a second later (before, it stayed ``checking`` for ever)."""
+    asyncio.run(_interrupted_once())
+
+
+async def _interrupted_once() -> None:
+    with running(["replica"]) as (replica,):
+        async with aiohttp.ClientSession() as client:
+            pool = Gateway(GatewayConfig(), client).pool
+            assert pool.check is not None
+            real_check, tries = pool.check.check, []
+
+            async def timing_out_once(*args, **kwargs):
+                tries.append(time.monotonic())
+                if len(tries) == 1:
+                    raise TimeoutError("the canary's answer took too long")
+                return await real_check(*args, **kwargs)
+
+            pool.check.check = timing_out_once  # type: ignore[method-assign]
+            try:
+                backend = pool.add(replica)
+                await until(lambda: backend.routing_mode == "precise")
+                assert len(tries) == 2 and tries[1] - tries[0] >= 1.0 and backend.healthy
+            finally:
+                await pool.close()
+
+
+def test_a_block_size_the_engine_does_not_say_is_said_to_be_unchecked():
+    """An engine whose card says no block size (told nothing of it here): the check says
+    so rather than passing it in silence; its events' blocks are still checked."""
+    asyncio.run(_unsaid_block_size())
+
+
+async def _unsaid_block_size() -> None:
+    with running(["replica"]) as (replica,):
+        async with aiohttp.ClientSession() as client:
+            check = Gateway(GatewayConfig(), client).pool.check
+            assert check is not None
+            check.events_timeout_s = 0.5  # no events are fed to it here: quick to fail
+            verdict = await check.check(replica, None, lambda watch: None, lambda: None)
+            assert verdict.skipped[0].startswith("block size (the engine does not say it")
+            assert not verdict.precise and "canary" in (verdict.reason or "")
+
+
+def indexed_through(backend) -> int:
+    """The batch after the last of the backend's events in the index (0: none)."""
+    stream = backend.stream
+    return (stream.indexed_through or 0) if stream is not None else 0
+
+
+async def until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
