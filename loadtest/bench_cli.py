@@ -93,7 +93,8 @@ every replica's cache was emptied:
   the gateway; `e2e_p50_s` the whole answer.
 - `imbalance`: the busiest replica's requests over the mean (1.00 is even).
 - `prediction_accuracy`: share of requests whose cached tokens the gateway predicted
-  within one router stride (64 tokens) of the engine's figure; `prediction_exact`,
+  within one router stride of the engine's figure (the gateway's block size times its
+  `--stride`: 64 tokens by default, 32 in `make demo-vllm`); `prediction_exact`,
   `prediction_within_block` and `prediction_over` the shares it predicted exactly,
   within one KV block, and above the engine's figure.
 - `cpu_busy`: mean share of this machine's CPUs in use during the run (all
