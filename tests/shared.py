@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -274,6 +275,31 @@ def indexed(stats: GatewayStats) -> bool:
         and b.kv_stream.indexed_through == replica_stats(b.url).kv_event_batches
         for b in stats.backends
     )
+
+
+async def gateway_reaches(
+    client: httpx.AsyncClient,
+    url: str,
+    condition: Callable[[GatewayStats], bool],
+    key: str | None = None,
+    timeout_s: float = 30.0,
+) -> GatewayStats:
+    """Poll the gateway's ``/stats`` until ``condition`` holds: a test orders its
+    requests by what the gateway has seen (queued, in flight), not by sleeps."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = await client.get(f"{url}/stats", headers=headers)
+        stats = stats_codec.decode(GatewayStats, response.content)
+        if condition(stats):
+            return stats
+        assert time.monotonic() < deadline, f"{url}/stats never reached the condition"
+        await asyncio.sleep(0.01)
+
+
+def in_flight(stats: GatewayStats) -> int:
+    """Requests the gateway has sent to its backends that have not ended."""
+    return sum(b.outstanding_requests for b in stats.backends)
 
 
 def wait_until_indexed(gateway: str, timeout_s: float = 10.0, key: str | None = None) -> None:

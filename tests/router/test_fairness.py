@@ -16,6 +16,7 @@ from router.fair.admission import AdmissionQueue
 from router.fair.fairness import FairShare
 from router.fair.tenants import ApiKeys, Tenant
 from router.stats import GatewayStats
+from tests.shared import gateway_reaches, in_flight
 
 
 async def served_order(queue: AdmissionQueue, arrivals: list[tuple[str | None, int]]) -> list[int]:
@@ -213,35 +214,48 @@ def test_through_the_gateway_a_steady_tenant_passes_a_flood_and_batch_waits(tmp_
     assert order.index("chat") < batch, order
     assert len(order) == 11
     # each was charged the prefill the engine did not have cached, and its 24 tokens
+    # (flood's first, 240)
     for name, tenant in stats.tenants.items():
         uncached = tenant.prompt_tokens - tenant.cached_tokens
-        assert tenant.charged_tokens == uncached + 24 * tenant.requests, name
+        generated = 24 * tenant.requests + (240 - 24 if name == "flood" else 0)
+        assert tenant.charged_tokens == uncached + generated, name
     print("finishing order:", " ".join(order))
+
+
+async def queued(client: httpx.AsyncClient, url: str, count: int) -> None:
+    """Until the gateway's queue holds ``count`` requests (every one sent so far but
+    the one running: each arrives after those before it, whatever the machine's speed)."""
+    await gateway_reaches(client, url, lambda stats: stats.queued == count)
 
 
 async def finishing_order(url: str) -> list[str]:
     done: list[str] = []
     serial = itertools.count()
 
-    async def send(client: httpx.AsyncClient, key: str, label: str, header: str = "") -> None:
+    async def send(
+        client: httpx.AsyncClient, key: str, label: str, header: str = "", tokens: int = 24
+    ) -> None:
         headers = {"authorization": f"Bearer {key}"}
         if header:
             headers["x-priority"] = header
         # a prompt of its own each, as costly as any other's: the order is fairness alone
         prompt = f"{next(serial)} {label} asks: " + "tell me about caches. " * 20
-        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
         response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
         response.raise_for_status()
         done.append(label)
 
     async with httpx.AsyncClient(timeout=60) as client:
-        tasks = [asyncio.create_task(send(client, FLOOD, "flood")) for _ in range(8)]
-        await asyncio.sleep(0.3)  # flood's are queued (one is running)
+        # flood's first runs long enough for the others to be queued in order behind it
+        tasks = [asyncio.create_task(send(client, FLOOD, "flood", tokens=240))]
+        await gateway_reaches(client, url, lambda stats: in_flight(stats) == 1)
+        tasks += [asyncio.create_task(send(client, FLOOD, "flood")) for _ in range(7)]
+        await queued(client, url, 7)
         tasks.append(asyncio.create_task(send(client, STEADY, "steady")))
-        await asyncio.sleep(0.1)
+        await queued(client, url, 8)
         # a batch key cannot ask for more urgency than its class
         tasks.append(asyncio.create_task(send(client, BATCH, "batch", "interactive")))
-        await asyncio.sleep(0.1)
+        await queued(client, url, 9)
         # steady again, marked interactive: it must still go before the batch request
         tasks.append(asyncio.create_task(send(client, STEADY, "chat", "interactive")))
         await asyncio.gather(*tasks)

@@ -10,14 +10,12 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from replica.api import stats as stats_codec
 from router.core import ReplicaState, RoutingRequest
 from router.fair.fairness import FairShare
 from router.fair.slots import with_free_slot
 from router.fleet import load
-from router.stats import GatewayStats
 from tests.router.test_policies import dispatch, fleet, policy, request
-from tests.shared import prompt
+from tests.shared import gateway_reaches, in_flight, prompt
 
 CAP, RESERVE = 4, 2
 
@@ -144,11 +142,10 @@ async def light_turns(url: str) -> tuple[str, dict[str, int], str]:
         running_ = [  # long enough to be in flight below
             asyncio.create_task(ask(client, "flood-key", f"long {i}", 120)) for i in range(2)
         ]
-        await asyncio.sleep(0.5)  # one on each replica: the flood may take no more
+        # one on each replica (the flood may take no more), then the light turn on its home
+        await gateway_reaches(client, url, lambda s: in_flight(s) == 2, "ops-key")
         running_.append(asyncio.create_task(ask(client, "light-key", history + " Q1?", 120)))
-        await asyncio.sleep(0.5)  # on its home, now full
-        response = await client.get(f"{url}/stats", headers={"authorization": "Bearer ops-key"})
-        stats = stats_codec.decode(GatewayStats, response.content)
+        stats = await gateway_reaches(client, url, lambda s: in_flight(s) == 3, "ops-key")
         held = {b.replica_id: b.outstanding_requests for b in stats.backends}
         second = await ask(client, "light-key", history + " Q2?", 1)
         for task in running_:
