@@ -29,6 +29,11 @@ from router.index.lean_index import CPU_TIER, GPU_TIER, BlockTable
 TIER_BITS: dict[Medium, int] = {"GPU": GPU_TIER, "CPU": CPU_TIER}
 
 
+#: Held GPU blocks, over the replica's capacity, past which its events are not believed
+#: (a cache never holds more than its capacity; twice is past any race of events).
+OVERFULL = 2
+
+
 class EventKeys:
     """One replica's blocks, by engine hash, with the router's links and their tiers.
 
@@ -41,10 +46,13 @@ class EventKeys:
         self.block_size = block_size
         self.stride = stride
         self._blocks = BlockTable(capacity)
+        #: The replica's GPU blocks (0: not known, as for a replica routed approximately).
+        self.capacity = capacity
         #: Blocks that could not be keyed (an unknown parent, no tokens, another block size).
         self.unkeyed = 0
-        #: Blocks held on the GPU, by the cache salt of their prompt.
+        #: Blocks held on the GPU, by the cache salt of their prompt, and in all.
         self.gpu_blocks_by_salt: dict[str | None, int] = {}
+        self.gpu_blocks = 0
         self._salts: list[str | None] = [None]  # by number, as the table holds them
         self._salt_numbers: dict[str | None, int] = {None: 0}
 
@@ -95,6 +103,14 @@ class EventKeys:
     def clear(self) -> None:
         self._blocks.clear()
         self.gpu_blocks_by_salt.clear()
+        self.gpu_blocks = 0
+
+    @property
+    def overfull(self) -> bool:
+        """Whether the events say the GPU holds more than ``OVERFULL`` times what it can:
+        removals were lost (or never sent), and what the events say can no longer be
+        told from what the replica holds."""
+        return self.capacity > 0 and self.gpu_blocks > OVERFULL * self.capacity
 
     def _salt_number(self, salt: str | None) -> int:
         number = self._salt_numbers.get(salt)
@@ -104,6 +120,7 @@ class EventKeys:
         return number
 
     def _count(self, number: int, blocks: int) -> None:
+        self.gpu_blocks += blocks
         salt = self._salts[number]
         held = self.gpu_blocks_by_salt.get(salt, 0) + blocks
         if held:

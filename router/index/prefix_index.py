@@ -33,7 +33,8 @@ the traffic, and removing a replica removes all its entries.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,6 +43,8 @@ from replica.api.identity import DEFAULT_MODEL
 from replica.api.kv_events import KVEvent
 from router.index.event_keys import EventKeys
 from router.index.lean_index import KeySets
+
+log = logging.getLogger(__name__)
 
 IndexMode = Literal["approximate", "precise"]
 _NOBODY: dict[int, int] = {}
@@ -223,6 +226,8 @@ class PrefixIndex:
         self._routed_ttl_s = config.recent_s if precise else config.ttl_s
         self.routed = ReplicaSets(clock)
         self.in_flight = InFlight()  # precise mode's: its decisions expire, requests wait
+        #: Times a replica's events were forgotten for saying it held more than it can.
+        self.overfull_resets: Counter[str] = Counter()
         # What the events say, packed (router/index/lean_index.py): a key per stride block of
         # every replica's cache, a thousand replicas' worth.
         self.stored = KeySets() if precise else None
@@ -471,11 +476,28 @@ class PrefixIndex:
                 if event.medium == "GPU":
                     self.routed.discard(bit, gone)
             else:  # both tiers emptied
-                self.stored.clear(bit)
-                self.host.clear(bit)
+                self._forget_events(bit)
                 self.routed.clear(bit)
-                keys.clear()
+        if keys.overfull:
+            self._forget_events(bit)
+            self.overfull_resets[replica_id] += 1
+            if self.overfull_resets[replica_id] == 1:  # counted after: not a line each time
+                log.warning(
+                    "replica %s: its KV events say it holds more than twice the %d blocks "
+                    "it has (removals lost or never sent, or a cache larger than the "
+                    "router was told: --capacity-blocks): what they said is forgotten "
+                    "and learned again from its next events",
+                    replica_id,
+                    keys.capacity,
+                )
         return keys.unkeyed - unkeyed
+
+    def _forget_events(self, bit: int) -> None:
+        """Forget what a replica's events said, in both tiers."""
+        assert self.stored is not None and self.host is not None
+        self.stored.clear(bit)
+        self.host.clear(bit)
+        self._keys[bit].clear()
 
     def correct(self, replica_id: str, stride_hashes: Sequence[int], cached_tokens: int) -> None:
         """The engine found only ``cached_tokens`` of this prompt cached: forget the

@@ -178,6 +178,31 @@ def test_memory_is_bounded_by_total_capacity_whatever_the_traffic():
     assert index.num_entries() <= 3 * 64 // STRIDE
 
 
+def test_event_tables_are_bounded_by_capacity_even_when_removals_are_lost():
+    """An engine of 64 blocks serving 300 prompts, every one of its removal events lost:
+    the replica's events would say it holds thousands of blocks (2,137 stride keys and
+    8,994 blocks before the bound). Past twice its capacity they are not believed:
+    forgotten, and learned again from the next events."""
+    index = make_index("precise")
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    rng, seen, most = np.random.default_rng(0), 0, 0
+    for i in range(300):
+        tokens = rng.integers(1, 30_000, int(rng.integers(64, 900)))
+        engine.add_request(EngineRequest(f"r{i}", tokens, 1))
+        while engine.has_unfinished:
+            engine.step()
+        events, _ = engine.cache.events_since(seen)
+        seen = engine.cache.last_event_seq
+        index.apply_events("a", [e for e in events if e.kind == "stored"])
+        most = max(most, index.num_entries("a"), index.gpu_keys("a"))
+    assert most <= 2 * 64 // STRIDE + 900 // BLOCK // STRIDE  # one batch past the bound
+    assert index.overfull_resets["a"] > 10
+    # with every event delivered, the same engine never trips the bound
+    whole = make_index("precise")
+    whole.apply_events("a", engine.cache.events_since(0)[0])
+    assert whole.overfull_resets["a"] == 0 and whole.num_entries("a") <= 64 // STRIDE
+
+
 def test_invalid_configs_are_refused():
     with pytest.raises(ValueError, match="mode"):
         IndexConfig(mode="psychic")  # type: ignore[arg-type]
