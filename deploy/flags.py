@@ -55,7 +55,11 @@ def add_config_flags(
             text = _escaped(doc) if doc else None
             group.add_argument(flag, dest=dest, action=action, default=None, help=text, **extra)
         else:
-            shown = default if default not in (None, "") else _default_text(field)
+            shown = (
+                default
+                if default not in (None, "") and "derived" not in field.metadata
+                else _default_text(field)
+            )
             text = f"{_escaped(doc)} (default: {shown})" if doc else f"default: {shown}"
             metavar = kind.__name__.upper()
             group.add_argument(flag, dest=dest, type=kind, metavar=metavar, help=text, **extra)

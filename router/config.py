@@ -14,6 +14,10 @@ from router.fair.fairness import check_fairness
 from router.index.key_cache import DEFAULT_KEY_CACHE_TOKENS
 from router.policies import POLICIES, PolicyConfig
 
+#: The longest prompt the gateway reads where neither ``--max-prompt-tokens`` nor any
+#: backend's card says: Llama 3.1's context.
+DEFAULT_MAX_PROMPT_TOKENS = 131_072
+
 
 @dataclass(frozen=True)
 class DashboardConfig:
@@ -109,9 +113,14 @@ class GatewayConfig:
     #: slots may not take (router/fair/fairness.py): free for a lighter tenant's next
     #: request, so that it does not wait for a flood's to end. At most all but one.
     fair_reserve_per_replica: int = 2
-    #: The largest request body and prompt accepted (413 beyond): Llama 3.1's context.
+    #: The largest request body accepted (413 beyond).
     max_request_bytes: int = 16 * 2**20
-    max_prompt_tokens: int = 131_072
+    #: The longest prompt accepted (413 beyond); 0: the longest any backend serves, as
+    #: its card says (vLLM's max_model_len, our replicas' KV capacity), where none says
+    #: Llama 3.1's context.
+    max_prompt_tokens: int = field(
+        default=0, metadata={"derived": "the longest the backends serve, else 131072"}
+    )
     #: Tries on other replicas when one fails before the client got a byte.
     max_retries: int = 2
     retry_backoff_s: float = 0.05
@@ -125,13 +134,13 @@ class GatewayConfig:
             capacity_blocks=self.capacity_blocks,
             max_outstanding_per_replica=self.max_outstanding_per_replica,
             max_request_bytes=self.max_request_bytes,
-            max_prompt_tokens=self.max_prompt_tokens,
         )
         _at_least(
             0,
             max_queued=self.max_queued,
             max_retries=self.max_retries,
             retry_backoff_s=self.retry_backoff_s,
+            max_prompt_tokens=self.max_prompt_tokens,
             tokenizer_cache_tokens=self.tokenizer_cache_tokens,
             key_cache_tokens=self.key_cache_tokens,
         )

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
-from router.config import GatewayConfig
+from router.config import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
 from router.core import ReplicaState
 from router.fair.admission import AdmissionQueue, Overloaded
 from router.fair.fairness import FairShare
@@ -123,7 +123,9 @@ class Gateway:
         """One completion request, through the stages (see the module's doc)."""
         tenant = self.keys.tenant(request.headers.get("authorization"))  # 401 before any work
         name = tenant.name if tenant else None
-        read = await envelope.read(request, path, chat, self.config, self.tokenizer, name)
+        limit = self.config.max_prompt_tokens or self.pool.max_model_len
+        limits = envelope.Limits(self.config.max_request_bytes, limit or DEFAULT_MAX_PROMPT_TOKENS)
+        read = await envelope.read(request, path, chat, limits, self.tokenizer, name)
         ticket = self.resolver.resolve(read, tenant)
         if not self.pool.backends:
             return error_response("no backends to route to", 503)

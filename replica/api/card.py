@@ -43,6 +43,9 @@ class EngineCard:
     draining: bool = False
     #: What it does in a disaggregated fleet: ``both``, ``prefill`` or ``decode``.
     role: str = "both"
+    #: The most tokens a request may hold, prompt and answer (vLLM's ``max_model_len``;
+    #: ours: its KV cache's), ``None`` where it does not say.
+    max_model_len: int | None = None
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
@@ -59,6 +62,7 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
         stats.pid,
         tuple(stats.adapters),
         role=config.role,
+        max_model_len=stats.cache.num_blocks * config.block_size,
     )
 
 
@@ -99,6 +103,7 @@ def vllm_card(
         kv_events,
         pid,
         adapters,
+        max_model_len=_int(str(first.get("max_model_len") or "")),
     )
 
 

@@ -162,6 +162,8 @@ class BackendPool:
         self._failure_threshold = failure_threshold
         self._describe_interval = describe_interval_s
         self._backends: dict[str, Backend] = {}
+        #: The longest request any backend serves, as the cards say (``None``: none says).
+        self.max_model_len: int | None = None
         self._streams: KVStreams | None = None  # the thread following pushed events, if any
 
     @property
@@ -252,6 +254,11 @@ class BackendPool:
             self._on_added(state)
         state.model, state.adapters = model, frozenset(card.adapters)
         state.role = backend.given_role or card.role
+        self._longest_served()
+
+    def _longest_served(self) -> None:
+        lengths = [b.card.max_model_len for b in self._backends.values() if b.card]
+        self.max_model_len = max((n for n in lengths if n), default=None)
 
     def _join(self, backend: Backend) -> None:
         backend.joined = True
@@ -265,6 +272,7 @@ class BackendPool:
         if backend is None:
             return False
         del self._backends[backend.state.replica_id]
+        self._longest_served()
         for task in (backend._poller, backend._checker):
             if task is not None:
                 task.cancel()

@@ -22,7 +22,6 @@ from fastapi import Request
 
 from replica.api import openai as api
 from replica.api.tokenizer import Tokenizer
-from router.config import GatewayConfig
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,20 @@ class Envelope:
         return cls(body, stream, include_usage, salt if isinstance(salt, str) else None, **request)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the gateway reads of a request: its body's bytes, its prompt's tokens (the
+    flag's, or the longest the backends serve)."""
+
+    max_request_bytes: int
+    max_prompt_tokens: int
+
+
 async def read(
     request: Request,
     path: str,
     chat: bool,
-    config: GatewayConfig,
+    limits: Limits,
     tokenizer: Tokenizer,
     tenant: str | None = None,
 ) -> Envelope:
@@ -64,10 +72,10 @@ async def read(
     object; its prompt tokenized with the replicas' tokenizer and chat template (from
     ``tenant``'s own cache of conversations' pieces)."""
     received = time.perf_counter()
-    raw, body = await read_body(request, config)
+    raw, body = await read_body(request, limits.max_request_bytes)
     prompts = request_prompts(body, chat, tokenizer, tenant)
     if prompts is not None:
-        check_length(prompts, config.max_prompt_tokens, "messages" if chat else "prompt")
+        check_length(prompts, limits.max_prompt_tokens, "messages" if chat else "prompt")
     prompt = prompts[0] if prompts else None
     return Envelope.of(
         body, raw=raw, path=path, headers=request.headers, received=received, prompt=prompt
@@ -87,9 +95,9 @@ async def read_capped(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def read_body(request: Request, config: GatewayConfig) -> tuple[bytes, dict[str, Any]]:
+async def read_body(request: Request, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
     """The raw body (forwarded as it came) and its JSON object."""
-    raw = await read_capped(request, config.max_request_bytes)
+    raw = await read_capped(request, max_bytes)
     try:
         body = json.loads(raw)
     except ValueError as error:
