@@ -87,7 +87,7 @@ def vllm_spec(args: argparse.Namespace, gateway: GatewayConfig, keep: frozenset[
             "folder: give the one holding its tokenizer.json with --tokenizer"
         )
     load_tokenizer(tokenizer, gateway.chat_template)
-    return VLLMConfig(gateway.model, engine_args(args))
+    return VLLMConfig(gateway.model, engine_args(args), dev_mode=args.vllm_dev_mode)
 
 
 def sim_serving(spec: ReplicaConfig, model: str, adapters: tuple[str, ...]) -> EngineSpec:

@@ -191,6 +191,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, engines: Mapping[str, str]
         help="repeatable; vLLM's own flags, as vLLM names them, after ours so they win: "
         "--engine-arg=--max-num-seqs=64, or --engine-arg='--kv-cache-memory-bytes 64M'",
     )
+    parser.add_argument(
+        "--vllm-dev-mode",
+        action="store_true",
+        help="run vLLM servers with VLLM_SERVER_DEV_MODE=1, for its /reset_prefix_cache "
+        "(bench empties caches with it between runs); it opens vLLM's other development "
+        "endpoints too, so it is off unless asked (bench's own deployment asks)",
+    )
 
 
 def shell_words(values: Sequence[str]) -> tuple[str, ...]:

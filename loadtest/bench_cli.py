@@ -320,7 +320,8 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
             raise ValueError(
                 f"--engine {args.engine} needs --model PATH, the model folder to serve"
             )
-        engine = ["--engine", args.engine, "--model", args.model]
+        # its own fleet: vLLM's dev mode for /reset_prefix_cache between runs
+        engine = ["--engine", args.engine, "--model", args.model, "--vllm-dev-mode"]
         # each word quoted: serve splits its --engine-arg values as a shell would
         return [*engine, *(f"--engine-arg={shlex.quote(arg)}" for arg in engine_args(args)), *more]
     overrides = config_overrides(args, ReplicaConfig, prefix="replica_")

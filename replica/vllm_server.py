@@ -20,6 +20,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +36,8 @@ import httpx
 from replica.api.card import EngineCard, vllm_card
 from replica.api.config import ROLES
 from replica.api.stats import KVEventsEndpoint
+
+log = logging.getLogger(__name__)
 
 KV_TOPIC = "kv-events"
 #: What a vLLM replica on vLLM's CPU build starts with: no graph capture (it only slows
@@ -108,6 +111,10 @@ class VLLMConfig:
     #: Its role in a disaggregated fleet (``both``, ``prefill``, ``decode``): what its
     #: card says, since vLLM does not (its KV connector is among ``engine_args``).
     role: str = "both"
+    #: ``VLLM_SERVER_DEV_MODE=1``: its ``/reset_prefix_cache``, which the bench empties
+    #: caches with between runs. It opens vLLM's other development endpoints (sleep,
+    #: collective RPC, ...) to whoever reaches the server: off unless asked.
+    dev_mode: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -168,8 +175,11 @@ class VLLMServer:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
+            # vLLM binds its PUB socket only to a wildcard (any other endpoint it
+            # connects to: _is_bind_endpoint in vllm/distributed/kv_events.py); the
+            # replay socket it binds as given, so that one listens on --host alone
             "endpoint": f"tcp://*:{self.ports.kv_events}",
-            "replay_endpoint": f"tcp://*:{self.ports.replay}",
+            "replay_endpoint": f"tcp://{self.host}:{self.ports.replay}",
             "topic": KV_TOPIC,
         }
         return [
@@ -195,8 +205,10 @@ class VLLMServer:
         if cpu_build() and self.config.cpus:
             env["PREFIX_ROUTER_CPUS"] = ",".join(map(str, self.config.cpus))
             env["OMP_NUM_THREADS"] = str(len(self.config.cpus))
+        if self.config.dev_mode:
+            log.warning("vLLM server %s runs in dev mode (for /reset_prefix_cache)", self.url)
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env |= {
-            "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
             "TMPDIR": str(workdir / "tmp"),
             "VLLM_CACHE_ROOT": str(SHARED_CACHE),
             "PYTHONUNBUFFERED": "1",

@@ -70,7 +70,11 @@ def run_policy(
 ) -> tuple[Row, LocustRun]:
     """One live run: empty every cache, switch our gateways (if ours), play the workload."""
     if not reset(client, fleet):
-        print(f"warning: could not reset every replica's cache before {label}", file=sys.stderr)
+        print(
+            f"warning: could not reset every replica's cache before {label} (a vLLM "
+            "server needs --vllm-dev-mode for its /reset_prefix_cache)",
+            file=sys.stderr,
+        )
     if fleet.ours:
         switch_policy(client, fleet, label)
     before = snapshot(client, fleet)

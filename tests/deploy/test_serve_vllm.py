@@ -115,7 +115,8 @@ def compare_routers(url: str, model: Path, out: Path) -> None:
 def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model, tmp_path):
     model, log = str(tiny_model), tmp_path / "serve.log"
     engine = ["--engine", "vllm", "--model", model, "--engine-arg", " ".join(VLLM_ARGS)]
-    command = ["serve", *engine, "--replicas", "2", "--stride", "1"]
+    # dev mode: bench empties the servers' caches between its runs (/reset_prefix_cache)
+    command = ["serve", *engine, "--replicas", "2", "--stride", "1", "--vllm-dev-mode"]
     with leaves_no_vllm_behind():
         with logged_process(command, log, ready_s=300, stop_s=60) as (url, process):
             stats = wait_until_checked(url, 2)
