@@ -13,7 +13,7 @@ from deploy.processes import running
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from router.config import GatewayConfig
 from router.gateway import Gateway
-from tests.shared import logged_gateway, replica_stats, wait_until_checked
+from tests.shared import build_hf_tokenizer, logged_gateway, replica_stats, wait_until_checked
 
 pytestmark = pytest.mark.slow
 PROMPT = "You are a careful assistant. " * 60
@@ -103,6 +103,26 @@ def test_events_the_gateway_cannot_key_are_counted_when_nothing_checks_them(tmp_
         assert backend["unchecked"] == ["every check (--no-check-backends)"]
         metrics = httpx.get(f"{url}/metrics").text
         assert f'prefix_router_unkeyed_event_blocks_total{{replica="{replica}"}}' in metrics
+
+
+def test_another_chat_template_is_found_by_the_canary_conversation(tmp_path):
+    """The same tokenizer, another chat template: the canary completion agrees, the
+    canary conversation does not, and the reason says which."""
+    model = str(build_hf_tokenizer(tmp_path / "model"))
+    other = tmp_path / "other.jinja"
+    other.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    flags = (f"--tokenizer={model}", f"--chat-template={other}")
+    with (
+        running(["replica", "--tokenizer", model]) as (replica,),
+        logged_gateway(tmp_path / "log", f"--backend={replica}", *flags) as url,
+    ):
+        (backend,) = wait_until_checked(url).backends
+    assert backend.routing_mode == "approximate"
+    assert "tokenizes a canary chat differently" in (backend.approximate_reason or "")
+    assert "completion" not in (backend.approximate_reason or "")
 
 
 def test_a_backend_is_routed_approximately_until_its_check_passes():
