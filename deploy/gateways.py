@@ -19,6 +19,7 @@ per node.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -30,6 +31,7 @@ from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
 from deploy.serving import PortBusyError, listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
 from router.config import GatewayConfig
+from router.fair.tenants import fleet_secret
 from router.http.app import create_app
 from router.stats import BackendStats, GatewayStats
 
@@ -38,9 +40,17 @@ class GatewayServer:
     """The gateway inside a Ray actor (the body of :data:`GatewayActor`)."""
 
     def __init__(
-        self, config: GatewayConfig, host: str | None, port: int, reuse_port: bool = True
+        self,
+        config: GatewayConfig,
+        host: str | None,
+        port: int,
+        reuse_port: bool = True,
+        secret: bytes = b"",
     ) -> None:
         self.config, self.host, self.port, self.reuse_port = config, host, port, reuse_port
+        #: The fleet's secret, that tenants' salts are keyed with: every gateway of the
+        #: fleet has the same (:func:`start_gateways`), so they salt a tenant alike.
+        self.secret = secret
         self._app: Any = None
         self._task: asyncio.Task[None] | None = None
         # Ray runs an async actor's constructor in the actor's event loop: the server
@@ -49,7 +59,9 @@ class GatewayServer:
 
     async def _serve(self) -> str:
         host = self.host or ray.util.get_node_ip_address()
-        self._app = create_app(self.config, ray_replica_prefix=REPLICA_PREFIX)
+        self._app = create_app(
+            self.config, ray_replica_prefix=REPLICA_PREFIX, secret=self.secret or None
+        )
         sock = listening_socket(host, self.port, self.reuse_port)
         _, self._task = await serve_in_loop(self._app, host, self.port, sock)
         return f"http://{host}:{self.port}"
@@ -66,6 +78,10 @@ class GatewayServer:
 
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    async def fleet_secret(self) -> bytes:
+        """For a gateway started beside it (inside the Ray cluster only)."""
+        return self.secret
 
     async def ready(self, backends: int) -> None:
         """Once it routes to ``backends`` replicas (it finds the actors by name, a
@@ -98,6 +114,7 @@ def start_gateways(
     handle to it)."""
     for name in gateway_names()[len(ports) :]:
         ray.kill(ray.get_actor(name), no_restart=True)
+    secret = _fleet_secret()
     handles = []
     for i, port in enumerate(ports):
         node = nodes[i] if i < len(nodes) else None
@@ -109,11 +126,20 @@ def start_gateways(
                 num_cpus=0,
                 scheduling_strategy=placement,
                 **({"lifetime": "detached"} if detached else {}),
-            ).remote(config, host, port)
+            ).remote(config, host, port, True, secret)
         )
     urls = [_listening(handle, port) for handle, port in zip(handles, ports, strict=True)]
     ray.get([handle.ready.remote(backends) for handle in handles], timeout=120)
     return urls, handles
+
+
+def _fleet_secret() -> bytes:
+    """The secret of the gateways already running (a later ``up`` adds gateways to a
+    fleet), else the operator's (``$PREFIX_ROUTER_FLEET_SECRET``), else a new one."""
+    running = gateway_names()
+    if running:
+        return cast(bytes, ray.get(ray.get_actor(running[0]).fleet_secret.remote(), timeout=60))
+    return fleet_secret() or secrets.token_hex(32).encode()
 
 
 def _listening(handle: Any, port: int) -> str:

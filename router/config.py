@@ -93,6 +93,9 @@ class GatewayConfig:
     #: API keys, one ``KEY TENANT [admin]`` per line (see router/fair/tenants.py); with
     #: ``$PREFIX_ROUTER_API_KEYS``. None configured: no authentication.
     api_keys_file: str = ""
+    #: The fleet's secret that tenants' salts are keyed with (router/fair/tenants.py):
+    #: a file holding it, else ``$PREFIX_ROUTER_FLEET_SECRET`` (serve and up give one).
+    fleet_secret_file: str = ""
     #: Where a request's session key is read: a header's name, or ``user`` (the
     #: request's ``user`` field); empty: nowhere. Routers that learn from their own
     #: decisions send a session's turns to one replica by it (cache_aware).

@@ -64,8 +64,11 @@ class Gateway:
         client: aiohttp.ClientSession,
         keys: ApiKeys | None = None,
         upstream: Client | None = None,
+        secret: bytes = b"",
     ) -> None:
         self.config = config
+        #: The fleet's secret that tenants' salts are keyed with (router/fair/tenants.py).
+        self.secret = secret
         self.tokenizer: Tokenizer = load_tokenizer(
             config.tokenizer, config.chat_template, config.tokenizer_cache_tokens
         )
@@ -112,7 +115,7 @@ class Gateway:
         """The stages after the envelope, each given the parts it uses and no more."""
         config, models, pool, accounting = self.config, self.models, self.pool, self.accounting
         resolver = Resolver(
-            config, models, self.prefix_keys, self.hot_prefixes, self.salts, accounting
+            config, models, self.prefix_keys, self.hot_prefixes, self.salts, accounting, self.secret
         )
         admitter = Admitter(config, self.queue, pool, models)
         placer = Placer(models, pool, self.salts, accounting, fair)

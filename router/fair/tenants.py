@@ -6,6 +6,13 @@ tenant's requests therefore carry a salt derived from the tenant's name (and any
 ``cache_salt`` the request names, as vLLM accepts): block identities in the router
 and in the replicas are seeded by it, so two tenants never share a block.
 
+A salt is keyed with the fleet's secret (HMAC-SHA256: ``$PREFIX_ROUTER_FLEET_SECRET``
+or ``--fleet-secret-file``; ``serve`` and ``up`` make one and give it to every gateway
+they start), so that no one who reaches a replica can compute another tenant's salt
+and probe its cache; every gateway of a fleet needs the same secret to route a tenant's
+prompt to where another gateway sent it. Without a secret the salt is an unkeyed
+digest, and the gateway says so at start.
+
 Keys come from a file (one ``KEY TENANT [admin] [weight=W] [class=batch] [budget=F]``
 per line, ``#`` comments) and from the environment
 (``PREFIX_ROUTER_API_KEYS="KEY=TENANT,KEY=TENANT:admin:weight=2"``). A tenant's weight
@@ -19,6 +26,7 @@ bytes. No keys configured: authentication is off and every request is tenant-les
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -27,6 +35,7 @@ from pathlib import Path
 from router.fair.fairness import PRIORITIES, priority_rank
 
 ENV_KEYS = "PREFIX_ROUTER_API_KEYS"
+ENV_FLEET_SECRET = "PREFIX_ROUTER_FLEET_SECRET"
 
 
 @dataclass(frozen=True)
@@ -94,14 +103,25 @@ class ApiKeys:
             raise Unauthorized(f"tenant {tenant.name!r} may not use admin endpoints", 403)
 
 
-def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+def tenant_salt(tenant: str | None, cache_salt: str | None, secret: bytes = b"") -> str | None:
     """The salt that seeds a request's block identities: a digest of the tenant and
     its ``cache_salt``, length-prefixed so that no ``cache_salt`` one tenant chooses
-    can spell another tenant's salt (and of fixed size, whatever the salt's)."""
+    can spell another tenant's salt (and of fixed size, whatever the salt's), keyed
+    with the fleet's ``secret`` (unkeyed without one: anyone can compute it)."""
     if tenant is None:
         return cache_salt
-    spelled = f"{len(tenant)}:{tenant}:{cache_salt or ''}"
-    return "tenant-" + hashlib.sha256(spelled.encode()).hexdigest()
+    spelled = f"{len(tenant)}:{tenant}:{cache_salt or ''}".encode()
+    if secret:
+        return "tenant-" + hmac.new(secret, spelled, hashlib.sha256).hexdigest()
+    return "tenant-" + hashlib.sha256(spelled).hexdigest()
+
+
+def fleet_secret(path: str = "", env: Mapping[str, str] | None = None) -> bytes:
+    """The fleet's secret: the file's content at ``path`` (stripped), else
+    ``$PREFIX_ROUTER_FLEET_SECRET``; empty if neither says."""
+    if path:
+        return Path(path).read_text().strip().encode()
+    return (os.environ if env is None else env).get(ENV_FLEET_SECRET, "").encode()
 
 
 class SaltBook:

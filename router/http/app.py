@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from replica.api import openai as api
 from replica.api import stats as stats_codec
 from replica.api.stats import KVEventsEndpoint
 from router.config import GatewayConfig
-from router.fair.tenants import ApiKeys, Unauthorized
+from router.fair.tenants import ENV_FLEET_SECRET, ApiKeys, Unauthorized, fleet_secret
 from router.fleet.backends import follow_ray_replicas, parse_backend, sync_ray_replicas
 from router.gateway import Gateway
 from router.http.dashboard import STATIC
@@ -37,6 +38,8 @@ from router.http.dashboard.view import build, replica_figures
 from router.http.metrics import GatewayMetrics
 from router.policies import POLICIES
 from router.stats import for_monitoring
+
+log = logging.getLogger(__name__)
 
 #: The longest a gateway that follows Ray's replicas waits, before it serves, for their
 #: replay buffers to be in its index (a replay is a ZMQ round trip per replica).
@@ -62,17 +65,28 @@ def create_app(
     config: GatewayConfig | None = None,
     backends: list[str] | tuple[str, ...] = (),
     ray_replica_prefix: str | None = None,
+    secret: bytes | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)
     and, given ``ray_replica_prefix``, to the replica actors of the current Ray
-    namespace whose names start with it (Ray must be initialised)."""
+    namespace whose names start with it (Ray must be initialised). ``secret``: the
+    fleet's, that tenants' salts are keyed with (else the config's file, or the
+    environment's)."""
     config = config or GatewayConfig()
     keys = ApiKeys.load(config.api_keys_file or None)
+    if secret is None:
+        secret = fleet_secret(config.fleet_secret_file)
+    if keys.enabled and not secret:
+        log.warning(
+            "tenants' cache salts are unkeyed: whoever reaches a replica can compute "
+            "another tenant's; set $%s or --fleet-secret-file (serve and up make one)",
+            ENV_FLEET_SECRET,
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _client(config) as client:
-            gateway = app.state.gateway = Gateway(config, client, keys)
+            gateway = app.state.gateway = Gateway(config, client, keys, secret=secret)
             app.state.metrics = GatewayMetrics(
                 gateway.accounting, gateway.pool, gateway.queue, gateway.tenant_footprint
             )

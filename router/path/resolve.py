@@ -53,8 +53,9 @@ class Resolver:
         hot_prefixes: HotPrefixes,
         salts: SaltBook,
         accounting: Accounting,
+        secret: bytes = b"",
     ) -> None:
-        self.config, self.models = config, models
+        self.config, self.models, self.secret = config, models, secret
         self.prefix_keys, self.hot_prefixes = prefix_keys, hot_prefixes
         self.salts, self.accounting = salts, accounting
 
@@ -63,7 +64,7 @@ class Resolver:
         reading the body); raises ``api.Rejected`` (404, an unknown model; 400, an
         unknown class)."""
         name = tenant.name if tenant else None
-        salt = tenant_salt(name, envelope.cache_salt)
+        salt = tenant_salt(name, envelope.cache_salt, self.secret)
         fields = {"cache_salt": salt} if salt != envelope.cache_salt else {}
         served = self.served(envelope.body.get("model"))
         if envelope.prompt is None:

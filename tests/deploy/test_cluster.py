@@ -262,6 +262,10 @@ def test_replicas_and_two_gateways_spread_over_the_nodes_of_a_two_node_cluster()
             assert answer.status_code == 200
         gateways, _ = cluster.status()
         assert all(row.requests for row in gateways), gateways  # both served
+        # one fleet secret for both (tenants' salts keyed alike), made by up, and kept
+        # by a later up that adds a gateway to the fleet
+        secrets = {ray.get(ray.get_actor(f"gateway-{i}").fleet_secret.remote()) for i in (0, 1)}
+        assert len(secrets) == 1 and len(secrets.pop()) == 64
         assert cluster.down() == 4
     finally:
         ray.shutdown()

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from deploy.processes import running
-from router.fair.tenants import ApiKeys, Tenant, Unauthorized, tenant_salt
+from router.fair.tenants import ApiKeys, Tenant, Unauthorized, fleet_secret, tenant_salt
 from tests.shared import replica_stats, wait_until_indexed
 
 SYSTEM = "You are the assistant of a bank; account numbers follow. " * 40
@@ -56,6 +56,19 @@ def cached(response: httpx.Response) -> int:
 
 
 @pytest.mark.slow
+def test_a_salt_keyed_with_the_fleets_secret_cannot_be_computed_without_it(tmp_path):
+    keyed = tenant_salt("acme", None, b"fleet secret")
+    assert keyed == tenant_salt("acme", None, b"fleet secret")  # every gateway alike
+    assert keyed != tenant_salt("acme", None)  # not the unkeyed digest anyone can spell
+    assert keyed != tenant_salt("acme", None, b"another fleet")
+    assert keyed != tenant_salt("globex", None, b"fleet secret")
+    path = tmp_path / "secret"
+    path.write_text("from a file\n")
+    assert fleet_secret(str(path), env={}) == b"from a file"
+    assert fleet_secret("", env={"PREFIX_ROUTER_FLEET_SECRET": "from env"}) == b"from env"
+    assert fleet_secret("", env={}) == b""
+
+
 def test_tenants_are_isolated_through_the_gateway(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("k-acme acme\nk-globex globex\nk-ops ops admin\n")
