@@ -145,11 +145,12 @@ def vllm_servers(
     model: Path, count: int, engine_args: tuple[str, ...] = VLLM_ARGS
 ) -> Iterator[list[VLLMServer]]:
     """``count`` vLLM servers of ``model`` on free loopback ports, started together and
-    stopped (with their work folders) however the caller ends."""
+    stopped (with their work folders) however the caller ends; in dev mode, so that a
+    test can empty their caches (``/reset_prefix_cache``) as the bench does."""
     cores = len(os.sched_getaffinity(0))
     servers = [
         VLLMServer(
-            VLLMConfig(str(model), engine_args, cpus=cores_of(i, count, cores)),
+            VLLMConfig(str(model), engine_args, cpus=cores_of(i, count, cores), dev_mode=True),
             "127.0.0.1",
             Ports(free_port(), free_port(), free_port()),
         )
