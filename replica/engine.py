@@ -266,9 +266,11 @@ class Engine:
             return False
         size = self.config.block_size
         usable = seq.block_hashes[: (seq.num_tokens - 1) // size]  # the last token computed
-        local = len(self.cache.match(usable, bytes(seq.token_bytes)))
         lent = min(seq.request.pull_tokens // size, len(usable))
         arriving, ends = self.pulls.arriving(usable)
+        if not (lent or arriving):  # nothing crosses the link for it: no cache look-up
+            return False
+        local = len(self.cache.match(usable[: max(lent, arriving)], bytes(seq.token_bytes)))
         if arriving > local and arriving >= lent:
             self.pulls.wait_for(seq, arriving, ends)
             return True

@@ -268,6 +268,15 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, what: str
     return time.monotonic() - start
 
 
+async def awaited(condition: Callable[[], object], timeout_s: float = 20.0, what: str = "") -> None:
+    """:func:`wait_for` inside an event loop: poll ``condition`` while the loop runs the
+    code under test."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what or 'condition'}: {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
 def indexed(stats: GatewayStats) -> bool:
     """The gateway has backends, and its index holds every KV event each of them
     published so far."""

@@ -13,7 +13,13 @@ from deploy.processes import running
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from router.config import GatewayConfig
 from router.gateway import Gateway
-from tests.shared import build_hf_tokenizer, logged_gateway, replica_stats, wait_until_checked
+from tests.shared import (
+    awaited,
+    build_hf_tokenizer,
+    logged_gateway,
+    replica_stats,
+    wait_until_checked,
+)
 
 pytestmark = pytest.mark.slow
 PROMPT = "You are a careful assistant. " * 60
@@ -152,16 +158,16 @@ async def _checked_late() -> None:
                 async with client.post(f"{replica}/v1/completions", json=direct) as answer:
                     assert answer.status == 200
                 batches = replica_stats(replica).kv_event_batches
-                await until(lambda: indexed_through(backend) >= batches)
+                await awaited(lambda: indexed_through(backend) >= batches)
                 assert backend.routing_mode == "checking" and not backend.state.precise
                 keys = gateway.resolver.keyed(gateway.tokenizer.encode(PROMPT), None)
                 index = gateway.models.policy().prefix_index()
                 assert index is not None and index.match(keys.stride_hashes) == {}
                 release.set()
-                await until(lambda: backend.routing_mode == "precise")
+                await awaited(lambda: backend.routing_mode == "precise")
                 assert backend.state.precise and backend.unchecked == ()
                 held_tokens = len(keys.stride_hashes) * GatewayConfig().routing.stride_tokens
-                await until(lambda: index.match(keys.stride_hashes).get(replica) == held_tokens)
+                await awaited(lambda: index.match(keys.stride_hashes).get(replica) == held_tokens)
             finally:
                 await pool.close()
 
@@ -188,7 +194,7 @@ async def _interrupted_once() -> None:
             pool.check.check = timing_out_once  # type: ignore[method-assign]
             try:
                 backend = pool.add(replica)
-                await until(lambda: backend.routing_mode == "precise")
+                await awaited(lambda: backend.routing_mode == "precise")
                 assert len(tries) == 2 and tries[1] - tries[0] >= 1.0 and backend.healthy
             finally:
                 await pool.close()
@@ -215,10 +221,3 @@ def indexed_through(backend) -> int:
     """The batch after the last of the backend's events in the index (0: none)."""
     stream = backend.stream
     return (stream.indexed_through or 0) if stream is not None else 0
-
-
-async def until(condition, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)

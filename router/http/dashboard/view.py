@@ -281,12 +281,13 @@ def build(
     )
 
 
-#: The order pools are shown in: the way a disaggregated request goes.
-ROLES = ("prefill", "decode", "both")
+#: The order pools are shown in (replica.api.config.ROLES, as a disaggregated request
+#: goes through them).
+POOL_ORDER = ("prefill", "decode", "both")
 
 
 def _pools(replicas: list[ReplicaView]) -> list[PoolView]:
-    """The replicas summed by role, in :data:`ROLES`' order."""
+    """The replicas summed by role, in :data:`POOL_ORDER`."""
     pools = []
     for role in sorted({r.role for r in replicas}, key=_role_rank):
         members = [r for r in replicas if r.role == role]
@@ -312,7 +313,7 @@ _TRANSFER_FIELDS = [f.name for f in fields(TransferFigures)]
 
 
 def _role_rank(role: str) -> tuple[int, str]:
-    return (ROLES.index(role) if role in ROLES else len(ROLES), role)
+    return (POOL_ORDER.index(role) if role in POOL_ORDER else len(POOL_ORDER), role)
 
 
 def _replica_view(
