@@ -122,6 +122,12 @@ class KVPublisher:
                 )
         self.publish_load(only_if_changed=True)
 
+    def withhold_for_tests(self) -> None:
+        """Tests only: never publish the events logged since the last batch, as an engine
+        that evicts without telling would. No batch number is spent on them, so no
+        follower can tell from the stream."""
+        self._published_seq = self._events.last_seq
+
     @property
     def batches(self) -> int:
         """KV event batches published so far (the next batch's number)."""

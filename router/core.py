@@ -10,10 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from replica.api.stats import LoadReport
 
 Clock = Callable[[], float]
+
+
+class KVStream(Protocol):
+    """A replica's KV event stream as the gateway follows it, with a replay socket
+    (``router/index/kv_subscriber.py``): what a policy may ask of it."""
+
+    @property
+    def indexed_through(self) -> int | None:
+        """The number of the batch after the last one in the index (``None``: none yet)."""
+        ...
+
+    def replay_since(self, batch: int) -> None:
+        """Apply its batches from ``batch`` on again, from the replay buffer (one the
+        buffer no longer holds: the replica's entries start over)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -59,6 +75,15 @@ class ReplicaState:
     #: Told after every change of the load above (``router/fleet/load.py`` calls it): the
     #: policy's ordering of the fleet by load.
     on_load_change: Callable[[ReplicaState], None] | None = field(default=None, repr=False)
+    #: Its KV event stream, set by the fleet that follows it with a replay socket
+    #: (``None``: none such, as in the replayer or for an engine without replay).
+    kv_stream: KVStream | None = field(default=None, repr=False)
+    #: Answers that found fewer cached tokens than predicted: where its KV events alone had
+    #: said more (the index and the engine disagree: router/policies/indexed.py), and where
+    #: they had not (the router's own decisions said more, or the engine told of an
+    #: eviction after the dispatch).
+    event_disagreements: int = 0
+    decision_corrections: int = 0
 
     @property
     def load_requests(self) -> int:
@@ -120,6 +145,12 @@ class RoutingRequest:
     #: How its KV reaches the replica chosen for it when not computed there, as the
     #: policy planned it (``None``: computed where it runs).
     kv: KVPlan | None = None
+    #: When it was sent: the leading tokens its replica's KV events alone said it held
+    #: (``None``: that replica is not known from its events), and the batch of its stream
+    #: after the last one in the index then (``None``: no stream). An engine that finds
+    #: fewer is out of step with its events from before that batch.
+    events_cached_tokens: int | None = field(default=None, repr=False)
+    events_batch: int | None = field(default=None, repr=False)
 
     @property
     def predicted_uncached_tokens(self) -> int:

@@ -81,6 +81,12 @@ class BackendStats:
     unchecked: list[str] = field(default_factory=list)
     #: Stored blocks of its KV events that could not be keyed to the router's identities.
     unkeyed_blocks: int = 0
+    #: Answers that found fewer cached tokens than predicted: where its KV events alone had
+    #: said more, with no eviction told (the index and the engine disagree: the prompt's
+    #: entries dropped, its stream applied again from the dispatch), and the others (the
+    #: router's own decisions said more, or an eviction was told after the dispatch).
+    event_disagreements: int = 0
+    decision_corrections: int = 0
     #: What it says of itself: ``sim`` or ``vllm``, its model and block size (None: unknown).
     engine: str | None = None
     model: str | None = None

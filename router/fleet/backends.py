@@ -33,7 +33,7 @@ from replica.api.stats import KVEventsEndpoint
 from router.core import ReplicaState
 from router.fleet import load
 from router.fleet.backend_check import BackendCheck, CanaryWatch, Verdict
-from router.index.kv_subscriber import KVStreams, StreamState
+from router.index.kv_subscriber import FollowedStream, KVStreams, StreamState
 
 #: How the router knows a backend's cache: from its events once they are checked
 #: (``checking``: approximately, until its check passes), or from its own decisions
@@ -314,12 +314,15 @@ class BackendPool:
         endpoint = backend.kv_endpoint or (backend.card.kv_events if backend.card else None)
         if endpoint is not None:
             backend.kv_endpoint = endpoint
-            backend.stream = self._kv_streams().follow(
+            streams = self._kv_streams()
+            backend.stream = streams.follow(
                 backend,
                 endpoint,
                 on_events=lambda events: self._events(backend, events),
                 on_load=lambda report: load.reported(backend.state, report),
             )
+            if endpoint.replay_endpoint:  # the policy may have it applied again
+                backend.state.kv_stream = FollowedStream(streams, backend, backend.stream)
         self._start_check(backend)
         await self._probe_forever(backend)
 
@@ -382,17 +385,26 @@ class BackendPool:
             log.warning("backend %s: checks skipped: %s", backend.url, "; ".join(verdict.skipped))
         backend.unchecked = verdict.skipped
         if verdict.precise:
-            backend.routing_mode, backend.approximate_reason = "precise", None
-            if not backend.state.precise:  # approximate while checked: its events now count
-                self._remodel(backend, precise=True)
-                if backend.stream is not None and self._streams is not None:
-                    self._streams.relearn(backend)  # what it published meanwhile
+            backend.approximate_reason = None
+            if backend.state.precise:
+                backend.routing_mode = "precise"
+                return
+            self._remodel(backend, precise=True)  # approximate while checked: events count
+            if backend.stream is None or self._streams is None:
+                backend.routing_mode = "precise"
+                return
+            # what it published meanwhile read again: precise once that is in the index
+            self._streams.relearn(backend, lambda: self._learned_again(backend))
             return
         if backend.approximate_reason != verdict.reason:
             log.warning("backend %s is routed approximately: %s", backend.url, verdict.reason)
         backend.routing_mode, backend.approximate_reason = "approximate", verdict.reason
         if backend.state.precise:
             self._remodel(backend, precise=False)
+
+    def _learned_again(self, backend: Backend) -> None:
+        if backend.routing_mode == "checking" and backend.state.precise:
+            backend.routing_mode = "precise"
 
     def _remodel(self, backend: Backend, precise: bool) -> None:
         """Index the backend anew in its new mode (its entries start over)."""

@@ -192,6 +192,13 @@ class BackendMetrics:
             "Stored blocks of a replica's KV events that could not be keyed.",
             labels=["replica"],
         )
+        corrections = CounterMetricFamily(
+            "prefix_router_index_corrections",
+            "Answers with fewer cached tokens than predicted, by what had said more: the "
+            "replica's KV events (they and the engine disagree: its stream is applied "
+            "again) or the router's decisions.",
+            labels=["replica", "source"],
+        )
         precise = GaugeMetricFamily(
             "prefix_router_backend_precise",
             "1 while a replica's cache is known from its KV events, 0 while approximately.",
@@ -202,8 +209,10 @@ class BackendMetrics:
             outstanding.add_metric([name], backend.state.outstanding_requests)
             failed.add_metric([name], errors[name])
             unkeyed.add_metric([name], backend.unkeyed_blocks)
+            corrections.add_metric([name, "events"], backend.state.event_disagreements)
+            corrections.add_metric([name, "decisions"], backend.state.decision_corrections)
             precise.add_metric([name, backend.routing_mode], int(backend.state.precise))
-        yield from (outstanding, failed, unkeyed, precise)
+        yield from (outstanding, failed, unkeyed, corrections, precise)
 
 
 def _buckets(histogram: LatencyHistogram) -> list[tuple[str, float]]:

@@ -16,6 +16,9 @@ its next batch). A gap (a batch number past the next expected, or batches that a
 report said were sent and that have still not come by the next report) is filled from
 the publisher's replay socket; what the replay cannot give any more is lost, so the
 replica's entries are dropped and the index starts over from the batches that follow.
+A policy may have batches applied again (:meth:`KVStreams.replay_since`): where an
+engine found fewer cached tokens than its events said, the index drops those entries
+and the stream is applied again from the request's dispatch on.
 Silence longer than ``silence_s`` on a stream with a heartbeat (ours) marks the replica
 stale: its entries are dropped until it speaks again.
 """
@@ -77,6 +80,23 @@ class StreamState:
     _promised: int = 0  # batches the last load report said were sent
 
 
+@dataclass(frozen=True)
+class FollowedStream:
+    """One backend's stream, as its ``ReplicaState`` shows it to the policy
+    (:class:`router.core.KVStream`)."""
+
+    streams: KVStreams
+    key: Any
+    state: StreamState
+
+    @property
+    def indexed_through(self) -> int | None:
+        return self.state.indexed_through
+
+    def replay_since(self, batch: int) -> None:
+        self.streams.replay_since(self.key, batch)
+
+
 class KVStreams:
     """The thread that follows every backend's stream (see the module docstring)."""
 
@@ -120,9 +140,17 @@ class KVStreams:
     def forget(self, key: Any) -> None:
         self._commands.put(("forget", key, None))
 
-    def relearn(self, key: Any) -> None:
-        """Replay the backend's whole buffer again (its index entries were dropped)."""
-        self._commands.put(("relearn", key, None))
+    def relearn(self, key: Any, then: Callable[[], None] | None = None) -> None:
+        """Replay the backend's whole buffer again (its index entries were dropped);
+        ``then`` runs through ``deliver`` once what it held is in the index."""
+        self._commands.put(("relearn", key, then))
+
+    def replay_since(self, key: Any, batch: int) -> None:
+        """Apply the backend's batches from ``batch`` on again, and those after (its index
+        entries for a prompt were dropped: the engine found fewer cached than its events
+        said). Applying a batch twice changes nothing that the batches after it do not set
+        again; one the replay buffer no longer holds is a gap that cannot be filled."""
+        self._commands.put(("replay_since", key, batch))
 
     def catch_up(self, key: Any) -> None:
         """Ask the replay socket for every batch after the last one seen: a publisher with
@@ -156,8 +184,9 @@ class KVStreams:
 
     def _obey(self, events: zmq.Poller) -> None:
         while not self._commands.empty():
-            command, key, state = self._commands.get_nowait()
+            command, key, given = self._commands.get_nowait()
             if command == "follow":
+                state = given
                 socket = self._subscriber(state.endpoint.endpoint, state.endpoint.topic.encode())
                 load = self._subscriber(state.endpoint.load_endpoint, b"", latest_only=True)
                 self._streams[key] = (socket, load, state)
@@ -172,9 +201,16 @@ class KVStreams:
                 if command == "relearn":
                     state.next_batch = None
                     self._learn(state)
+                    if given is not None:
+                        self._deliver(given)  # after what it learned
                     continue
                 if command == "catch_up":
                     self._learn(state)
+                    continue
+                if command == "replay_since":
+                    if state.endpoint.replay_endpoint:  # from there on, as if not seen yet
+                        state.next_batch = given
+                        self._learn(state)
                     continue
                 events.unregister(socket)
                 self._loads.unregister(load)

@@ -16,7 +16,11 @@ Two sources of knowledge, each a :class:`ReplicaSets`:
   Routing decisions of the last few seconds count as well, to cover events that
   have not arrived yet; a removal, newer than those decisions, drops them too, and so
   does an answer whose engine reported fewer cached tokens than predicted
-  (:meth:`PrefixIndex.correct`). A prompt of a request in flight on a replica stays
+  (:meth:`PrefixIndex.correct`). An answer with fewer than the events themselves said,
+  where they told of no eviction since the dispatch, means the index and the engine
+  disagree (blocks let go without an event): what they said of that prompt beyond the
+  cached tokens is dropped (:meth:`PrefixIndex.disagree`) and the replica's stream is
+  applied again from the dispatch on. A prompt of a request in flight on a replica stays
   held there whatever its events say (:class:`InFlight`): the replica holds it, or will
   once it runs the request. Events from a replica's host tier (``medium`` CPU) go
   to a set of their own: :meth:`PrefixIndex.match_host` says how much further than its
@@ -163,11 +167,16 @@ class InFlight:
     engines short of KV evict the cached prompts of requests still queued, the index
     would otherwise forget where a group's requests are going and send its next
     request to a second replica, to compute the prompt twice and evict more.
+
+    Such evictions are remembered while a request through them is in flight
+    (:meth:`evicted`): an answer that then finds less cached than the events said at its
+    dispatch was told so, and is no sign that the events and the engine disagree.
     """
 
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}
         self._requests: dict[int, dict[int, int]] = {}  # bit -> identity -> requests
+        self._evicted: dict[int, set[int]] = {}  # bit -> identities removed while in flight
 
     def __len__(self) -> int:
         return len(self.holders)
@@ -187,16 +196,35 @@ class InFlight:
         requests = self._requests.get(bit)
         if requests is None:
             return
+        evicted = self._evicted.get(bit)
         for block_hash in hashes:
             count = requests.pop(block_hash, 0) - 1
             if count > 0:
                 requests[block_hash] = count
             elif count == 0:
                 self._drop(bit, block_hash)
+                if evicted:
+                    evicted.discard(block_hash)
 
     def clear(self, bit: int) -> None:
         for block_hash in self._requests.pop(bit, {}):
             self._drop(bit, block_hash)
+        self._evicted.pop(bit, None)
+
+    def evicted(self, bit: int, hashes: Iterable[int] | None) -> None:
+        """The replica's events removed ``hashes`` (``None``: everything): remember those
+        that a request in flight there runs through, until no such request is left."""
+        requests = self._requests.get(bit)
+        if not requests:
+            return
+        gone = requests.keys() if hashes is None else [h for h in hashes if h in requests]
+        if gone:
+            self._evicted.setdefault(bit, set()).update(gone)
+
+    def was_evicted(self, bit: int, hashes: Iterable[int]) -> bool:
+        """Whether the replica's events removed any of ``hashes`` while in flight there."""
+        evicted = self._evicted.get(bit)
+        return evicted is not None and any(block_hash in evicted for block_hash in hashes)
 
     def _drop(self, bit: int, block_hash: int) -> None:
         _drop_holder(self.holders, bit, block_hash)
@@ -432,13 +460,26 @@ class PrefixIndex:
         bit = self._bits.get(replica_id)
         if bit is None:
             return
-        if self.stored is not None and self.is_precise(replica_id) and stride_hashes:
-            held = self.stored.get
-            shown = self._first_drop(
-                lambda depth: held(stride_hashes[depth], 0), 1 << bit, 0, len(stride_hashes)
-            )
-            stride_hashes = stride_hashes[shown:]
+        if self.is_precise(replica_id):
+            stride_hashes = stride_hashes[self._shown(bit, stride_hashes) :]
         self.routed.add(bit, stride_hashes)
+
+    def events_held(self, replica_id: str, stride_hashes: Sequence[int]) -> int | None:
+        """Leading tokens of the prompt that the replica's events alone say its GPU holds
+        (not its decisions nor its requests in flight); ``None``: it is not known from its
+        events. A gallop, as :meth:`match`'s."""
+        if not self.is_precise(replica_id):
+            return None
+        return self._shown(self._bits[replica_id], stride_hashes) * self.stride_tokens
+
+    def _shown(self, bit: int, stride_hashes: Sequence[int]) -> int:
+        """Leading strides of the prompt that replica ``bit``'s events show on its GPU."""
+        if self.stored is None or not stride_hashes:
+            return 0
+        held = self.stored.get
+        return self._first_drop(
+            lambda depth: held(stride_hashes[depth], 0), 1 << bit, 0, len(stride_hashes)
+        )
 
     def request_started(self, replica_id: str, stride_hashes: Sequence[int]) -> None:
         """A request through this prompt was sent to ``replica_id``: until it ends, the
@@ -475,6 +516,7 @@ class PrefixIndex:
                 sets.discard(bit, gone)
                 if event.medium == "GPU":
                     self.routed.discard(bit, gone)
+                    self.in_flight.evicted(bit, gone)
             else:  # both tiers emptied
                 self._forget_events(bit)
                 self.routed.clear(bit)
@@ -493,21 +535,44 @@ class PrefixIndex:
         return keys.unkeyed - unkeyed
 
     def _forget_events(self, bit: int) -> None:
-        """Forget what a replica's events said, in both tiers."""
+        """Forget what a replica's events said, in both tiers (for the requests in flight
+        there, as if every block of theirs had been removed)."""
         assert self.stored is not None and self.host is not None
         self.stored.clear(bit)
         self.host.clear(bit)
         self._keys[bit].clear()
+        self.in_flight.evicted(bit, None)
 
     def correct(self, replica_id: str, stride_hashes: Sequence[int], cached_tokens: int) -> None:
-        """The engine found only ``cached_tokens`` of this prompt cached: forget the
-        decisions that said it held more. Precise mode only: there the events, not the
-        decisions, say what the request left cached; in approximate mode the decision
-        just made is right again, since the engine has now computed the prompt."""
+        """The engine found only ``cached_tokens`` of this prompt cached, no fewer than its
+        events said at the dispatch: forget the decisions that said it held more. Precise
+        mode only: there the events, not the decisions, say what the request left cached;
+        in approximate mode the decision just made is right again, since the engine has
+        now computed the prompt. (Fewer than the events said: :meth:`disagree`.)"""
         bit = self._bits.get(replica_id)
         if bit is None or self.stored is None or self._approximate_bits >> bit & 1:
             return
         self.routed.discard(bit, stride_hashes[cached_tokens // self.stride_tokens :])
+
+    def evicted_in_flight(self, replica_id: str, stride_hashes: Sequence[int]) -> bool:
+        """Whether the replica's events removed any of these keys (or forgot all it held)
+        while a request through them was in flight there: told, not withheld."""
+        bit = self._bits.get(replica_id)
+        return bit is not None and self.in_flight.was_evicted(bit, stride_hashes)
+
+    def disagree(self, replica_id: str, stride_hashes: Sequence[int], cached_tokens: int) -> None:
+        """The engine found only ``cached_tokens`` of this prompt cached where the replica's
+        events had said more, and told of no eviction since: forget what the events and
+        the decisions said of the prompt beyond ``cached_tokens``. The caller has the
+        replica's stream applied again from the request's dispatch on (its
+        :class:`~router.core.KVStream`), which brings back what the engine stored since,
+        the request's own blocks among them, but not what it let go without telling."""
+        bit = self._bits.get(replica_id)
+        if bit is None or self.stored is None or not self.is_precise(replica_id):
+            return
+        beyond = stride_hashes[cached_tokens // self.stride_tokens :]
+        self.stored.discard(bit, beyond)
+        self.routed.discard(bit, beyond)
 
 
 class PrefixPopularity:

@@ -234,6 +234,8 @@ class Accounting:
             approximate_reason=backend.approximate_reason,
             unchecked=list(backend.unchecked),
             unkeyed_blocks=backend.unkeyed_blocks,
+            event_disagreements=state.event_disagreements,
+            decision_corrections=state.decision_corrections,
             engine=backend.card.engine if backend.card else None,
             model=backend.card.model if backend.card else None,
             block_size=backend.card.block_size if backend.card else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,8 @@ from router.policies.base import Policy
 
 if TYPE_CHECKING:
     from router.policies.registry import PolicyConfig
+
+log = logging.getLogger(__name__)
 
 
 class IndexedPolicy(Policy):
@@ -28,17 +31,65 @@ class IndexedPolicy(Policy):
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         self._know(replica)
+        self._note_events(request, replica)
         self.index.record_routing(replica.replica_id, request.stride_hashes)
         self.index.request_started(replica.replica_id, request.stride_hashes)
+
+    def _note_events(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        """What the replica's events alone say it holds of the prompt, and where its
+        stream stands: what its answer is judged against (:meth:`_over_predicted`)."""
+        held = self.index.events_held(replica.replica_id, request.stride_hashes)
+        request.events_cached_tokens = None if held is None else min(held, self._limit(request))
+        stream = replica.kv_stream
+        request.events_batch = stream.indexed_through if stream is not None else None
 
     def on_complete(
         self, request: RoutingRequest, replica: ReplicaState, cached_tokens: int | None = None
     ) -> None:
         """An engine that found less cached than predicted corrects the index at once."""
-        self.index.request_ended(replica.replica_id, request.stride_hashes)
         predicted = request.predicted_cached_tokens
         if cached_tokens is not None and predicted is not None and cached_tokens < predicted:
-            self.index.correct(replica.replica_id, request.stride_hashes, cached_tokens)
+            self._over_predicted(request, replica, cached_tokens)
+        self.index.request_ended(replica.replica_id, request.stride_hashes)
+
+    def _over_predicted(self, request: RoutingRequest, replica: ReplicaState, cached: int) -> None:
+        """Where the engine and the replica's events disagree (:meth:`_disagrees`), what the
+        index held of the prompt beyond ``cached`` is dropped and the stream applied again
+        from the dispatch on (:meth:`PrefixIndex.disagree`), where it can be: counted apart
+        from the answers where only the decisions said more (:meth:`PrefixIndex.correct`)."""
+        index, replica_id, hashes = self.index, replica.replica_id, request.stride_hashes
+        stream, batch = replica.kv_stream, request.events_batch
+        if not self._disagrees(request, replica, cached):
+            replica.decision_corrections += 1
+            index.correct(replica_id, hashes, cached)
+            return
+        replica.event_disagreements += 1
+        if replica.event_disagreements == 1:  # counted after: not a line each time
+            log.warning(
+                "replica %s found %d cached tokens of a prompt its KV events said it held "
+                "%d of, with no eviction told: its events were withheld or lost (counted "
+                "in /stats as event_disagreements; with a replay socket, the prompt's "
+                "entries are dropped and its stream applied again from the dispatch)",
+                replica_id,
+                cached,
+                request.events_cached_tokens,
+            )
+        if stream is None or batch is None:  # nothing to apply again: keep what they said
+            index.correct(replica_id, hashes, cached)
+            return
+        index.disagree(replica_id, hashes, cached)
+        stream.replay_since(batch)
+
+    def _disagrees(self, request: RoutingRequest, replica: ReplicaState, cached: int) -> bool:
+        """Whether the engine found fewer cached tokens than the replica's events alone
+        said at the dispatch, though they told of no eviction of the prompt since (an
+        eviction while the request waited in the engine's queue is no disagreement)."""
+        shown = request.events_cached_tokens
+        if shown is None or cached >= shown:
+            return False
+        stride = self.index.stride_tokens
+        missed = request.stride_hashes[cached // stride : shown // stride]
+        return not self.index.evicted_in_flight(replica.replica_id, missed)
 
     def on_replica_added(self, replica: ReplicaState) -> None:
         capacity = self._index_capacity(replica)

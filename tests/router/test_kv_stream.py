@@ -1,23 +1,41 @@
 """KV events pushed on ZMQ in vLLM's wire format: every encoding decodes, gaps are
 replayed, a late subscriber catches up, a silent stream goes stale."""
 
+import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import msgspec
 import numpy as np
 import pytest
+import uvicorn
 import zmq
 
 from deploy.processes import free_port, running
+from replica.api.config import ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
+from replica.api.stats import LoadReport
+from replica.event_log import EventLog
+from replica.kv_publisher import KVPublisher
+from replica.server import create_app
+from replica.service import Replica
 from router.index.kv_subscriber import KVStreams, StreamState
 from router.index.prefix_index import IndexConfig, PrefixIndex
-from tests.shared import FakeClock, gateway_stats, replica_stats, wait_for
+from tests.shared import (
+    FakeClock,
+    gateway_stats,
+    logged_gateway,
+    replica_stats,
+    settled,
+    wait_for,
+    wait_until_indexed,
+)
 
 # ----------------------------------------------------------------- every encoding
 
@@ -110,6 +128,51 @@ def test_garbage_is_refused_not_applied():
     ):
         with pytest.raises(ValueError):
             decode_batch(payload)
+
+
+# ----------------------------------------------------------------- a publisher's stream
+
+
+def test_a_stream_applied_again_from_a_batch_gets_every_batch_from_there():
+    """``replay_since``: the batches from the one given, in order, from the replay socket;
+    from a batch the buffer no longer holds, the replica's entries start over (a resync)
+    and what the buffer holds is applied."""
+    log = EventLog()
+    publisher = KVPublisher(log, 16, lambda: LoadReport(0, 0, 0), buffer_batches=4)
+    endpoint = publisher.start()
+    applied: list[object] = []  # each batch's one removed block, or "cleared"
+    streams = KVStreams(lambda fn, *args: fn(*args))  # the test reads lists only
+
+    def publish(blocks: range) -> None:
+        for block in blocks:
+            log.append("removed", (block,))
+            publisher.flush()
+
+    def record(events: list[KVEvent]) -> None:
+        applied.extend(e.kind if e.kind == "cleared" else e.block_hashes[0] for e in events)
+
+    try:
+        state = streams.follow("r", endpoint, record)
+        wait_for(lambda: state.load is not None, what="the stream connected")
+        publish(range(4))
+        wait_for(lambda: state.indexed_through == 4, what="the four batches")
+        assert applied == [0, 1, 2, 3] and state.resyncs == 0
+        replayed = state.replayed
+        streams.replay_since("r", 2)
+        wait_for(lambda: len(applied) == 6, what="batches 2 and 3 again")
+        assert applied[4:] == [2, 3] and state.replayed == replayed + 2
+        assert state.indexed_through == 4 and state.next_batch == 4 and state.resyncs == 0
+
+        publish(range(4, 8))  # the buffer keeps batches 4 to 7 only
+        wait_for(lambda: state.indexed_through == 8, what="four more")
+        del applied[:]
+        streams.replay_since("r", 1)
+        wait_for(lambda: len(applied) == 5, what="a resync and the buffer")
+        assert applied == ["cleared", 4, 5, 6, 7] and state.resyncs == 1
+        assert state.next_batch == 8
+    finally:
+        streams.close()
+        publisher.stop()
 
 
 # ----------------------------------------------------------------- a real replica's stream
@@ -345,3 +408,98 @@ def test_a_reset_reaches_the_followers_without_waiting_for_a_step(follower):
         wait_for(lambda: len(follower.held()[0]) == 6, what="the stored blocks")
         assert httpx.post(url + "/reset").status_code == 200
         wait_for(lambda: follower.held() == (set(), set()), what="the reset at the follower")
+
+
+# ----------------------------------------------------------------- an engine that evicts silently
+
+
+@contextlib.contextmanager
+def replica_in_this_process(
+    config: ReplicaConfig,
+) -> Iterator[tuple[str, Replica, asyncio.AbstractEventLoop]]:
+    """A simulated replica served from a thread of this process, so that a test can reach
+    its engine and its publisher (on its event loop, the one returned): its URL."""
+    app, port = create_app(config), free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),))
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), what="the replica serving")
+        assert server.started, "the replica did not start"
+        yield f"http://127.0.0.1:{port}", app.state.replica, loop
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        loop.close()
+
+
+def evict_without_telling(replica: Replica, loop: asyncio.AbstractEventLoop) -> None:
+    """The engine empties its cache and the batch that says so is never published."""
+
+    async def evict() -> None:
+        assert replica.engine.reset_cache()
+        assert replica.publisher is not None
+        replica.publisher.withhold_for_tests()
+
+    asyncio.run_coroutine_threadsafe(evict(), loop).result(timeout=10)
+
+
+def ask(gateway: str, i: int) -> tuple[int, int]:
+    """The gateway's prediction of a prompt's cached tokens, and the engine's figure."""
+    prompt = [i * 1000 + t for t in range(1, 400)]  # 24 full blocks, 6 router keys
+    body = {"prompt": prompt, "max_tokens": 2}
+    answer = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    predicted = int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+    return predicted, answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+def test_an_engine_that_evicts_without_telling_is_found_out_and_its_stream_applied_again(
+    tmp_path,
+):
+    """Events said the replica held two prompts; its engine let them go and the batch
+    that said so was withheld. The first answer below the events' figure is a
+    disagreement: the prompt's entries are dropped, the stream applied again from that
+    request's dispatch, and the next prediction is exact (the request's own blocks came
+    back from the replay). Counted apart, logged once."""
+    log = tmp_path / "gateway.log"
+    config = ReplicaConfig(speedup=50.0, num_blocks=256, host_blocks=0)
+    with (
+        replica_in_this_process(config) as (url, replica, loop),
+        logged_gateway(log, f"--backend={url}") as gateway,
+    ):
+        settled(gateway, [url])
+        for i in (1, 2):
+            ask(gateway, i)
+        wait_until_indexed(gateway)
+        assert ask(gateway, 1) == (384, 384)
+        evict_without_telling(replica, loop)
+        before = gateway_stats(gateway).backends[0]
+        assert before.kv_stream is not None and before.kv_stream.indexed_through is not None
+        dispatched_at = before.kv_stream.indexed_through
+        assert ask(gateway, 1) == (384, 0)  # over: the engine let it go without a word
+
+        def replayed() -> bool:  # every batch since the dispatch, applied again
+            backend = gateway_stats(gateway).backends[0]
+            published = replica_stats(url).kv_event_batches
+            stream = backend.kv_stream
+            assert stream is not None and before.kv_stream is not None
+            again = stream.replayed - before.kv_stream.replayed
+            return backend.event_disagreements == 1 and again >= published - dispatched_at
+
+        wait_for(replayed, what="the disagreement found and the stream applied again")
+        wait_until_indexed(gateway)
+        assert ask(gateway, 1) == (384, 384)  # exact again: its own blocks replayed
+        assert ask(gateway, 2) == (384, 0)  # the other prompt: found out the same way
+        stats = gateway_stats(gateway).backends[0]
+        assert (stats.event_disagreements, stats.decision_corrections) == (2, 0)
+        assert stats.kv_stream is not None and stats.kv_stream.resyncs == 0
+        metrics = httpx.get(f"{gateway}/metrics").text
+        assert (
+            f'prefix_router_index_corrections_total{{replica="{url}",source="events"}} 2.0'
+            in metrics
+        )
+    lines = [line for line in log.read_text().splitlines() if "no eviction told" in line]
+    assert len(lines) == 1  # once per replica, not per answer

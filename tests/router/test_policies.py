@@ -335,3 +335,63 @@ def test_each_policy_reads_its_own_settings_set_by_their_flags_names():
         PolicyConfig.of(nope=1)
     with pytest.raises(ValueError, match="cache_threshold must lie in"):
         PolicyConfig.of(cache_threshold=2.0)
+
+
+class RecordedStream:
+    """A replica's KV stream as the fleet shows it to the policy (``router.core.KVStream``):
+    where the index stands, and the replays asked of it."""
+
+    def __init__(self, indexed_through: int) -> None:
+        self.indexed_through: int | None = indexed_through
+        self.replays: list[int] = []
+
+    def replay_since(self, batch: int) -> None:
+        self.replays.append(batch)
+
+
+def test_an_answer_below_what_the_events_said_drops_them_and_replays_the_stream():
+    """Events said the replica held the prompt; its engine found none of it, and no
+    eviction was told: the index and the engine disagree. The prompt's entries go, the
+    stream is applied again from the dispatch on, and the answer is counted apart."""
+    history = prompt(2048)
+    asked = request(np.concatenate((history, prompt(40, 90_000))))
+    replicas, pol = fleet(2), policy("cache_aware")
+    stream = replicas[0].kv_stream = RecordedStream(indexed_through=7)
+    for replica in replicas:
+        pol.on_replica_added(replica)
+    pol.on_kv_events(replicas[0], held_events(history, "GPU"))
+    chosen = dispatch(pol, asked, replicas)
+    assert chosen is replicas[0] and asked.predicted_cached_tokens == 2048
+    assert (asked.events_cached_tokens, asked.events_batch) == (2048, 7)
+    load.completed(pol, asked, chosen, cached_tokens=0)  # blocks let go without an event
+    assert (chosen.event_disagreements, chosen.decision_corrections) == (1, 0)
+    assert stream.replays == [7]
+    assert pol.holders(asked) == {}  # what the events said of it is dropped
+    assert pol.prefix_index().events_held(chosen.replica_id, asked.stride_hashes) == 0
+
+
+def test_an_answer_below_what_only_the_decisions_said_is_a_correction_not_a_disagreement():
+    """The events said nothing (a decision did), or told of the eviction while the
+    request waited: the events and the engine agree; no replay."""
+    history = prompt(2048)
+    replicas, pol = fleet(1), policy("cache_aware")
+    stream = replicas[0].kv_stream = RecordedStream(indexed_through=3)
+    pol.on_replica_added(replicas[0])
+    routed = request(history, "routed")
+    dispatch(pol, routed, replicas)  # the index learns it from its decision alone
+    again = request(history, "again")
+    dispatch(pol, again, replicas)
+    assert again.predicted_cached_tokens == 2032 and again.events_cached_tokens == 0
+    load.completed(pol, again, replicas[0], cached_tokens=0)
+    load.completed(pol, routed, replicas[0], cached_tokens=0)
+    assert (replicas[0].event_disagreements, replicas[0].decision_corrections) == (0, 1)
+
+    told = request(history, "told")
+    pol.on_kv_events(replicas[0], held_events(history, "GPU"))
+    dispatch(pol, told, replicas)
+    assert told.events_cached_tokens == 2032
+    removed = held_events(history, "GPU", seq=2)[0].block_hashes
+    pol.on_kv_events(replicas[0], [KVEvent(3, "removed", removed, medium="GPU")])
+    load.completed(pol, told, replicas[0], cached_tokens=0)  # evicted while it waited
+    assert (replicas[0].event_disagreements, replicas[0].decision_corrections) == (0, 2)
+    assert stream.replays == []

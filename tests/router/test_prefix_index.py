@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from replica.api.identity import DEFAULT_MODEL, block_hashes, identity_seed, prefix_keys
+from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE
 from replica.engine import Engine, EngineConfig
 from replica.sequence import EngineRequest
@@ -376,3 +377,44 @@ def test_events_that_cannot_be_keyed_are_counted():
     blocks = sum(len(e.block_hashes) for e in events if e.kind == "stored")
     assert index.apply_events("a", events) == blocks == 700 // (2 * BLOCK)
     assert index.match(stride_hashes(prompt(700))) == {}
+
+
+def test_a_disagreement_drops_the_prompt_and_the_batches_since_the_dispatch_restore_it(clock):
+    """The engine let the prompt go without an event, then the request computed it again
+    and stored it (its events came before its answer). Dropping what the events said
+    forgets those blocks too; applying again the events since the dispatch brings them
+    back, and applying them twice counts nothing twice."""
+    index = make_index("precise", clock, recent_s=0.0)
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    hashes = stride_hashes(prompt(700))
+    served(engine, "r", prompt(700))
+    index.apply_events("a", engine.cache.events_since(0)[0])
+    assert index.events_held("a", hashes) == 640 and index.events_held("b", hashes) == 0
+    held_blocks = index.gpu_blocks_of("a", [None])
+    assert engine.reset_cache()
+    withheld = engine.cache.last_event_seq  # its ``cleared`` never sent
+    served(engine, "again", prompt(700))  # found nothing cached: computed and stored again
+    since_dispatch = engine.cache.events_since(withheld)[0]
+    index.apply_events("a", since_dispatch)
+    assert index.match(hashes) == {"a": 640}
+    index.disagree("a", hashes, cached_tokens=0)
+    assert index.match(hashes) == {} and index.events_held("a", hashes) == 0
+    index.apply_events("a", since_dispatch)  # the stream, applied again from the dispatch
+    assert index.match(hashes) == {"a": 640}
+    assert index.gpu_blocks_of("a", [None]) == held_blocks  # nothing counted twice
+    assert index.num_entries("a") == len(hashes)
+
+
+def test_an_eviction_while_a_request_waits_is_remembered_until_it_ends(clock):
+    index = make_index("precise", clock)
+    engine = engine_holding(prompt(700))
+    events = engine.cache.events_since(0)[0]
+    index.apply_events("a", events)
+    hashes = stride_hashes(prompt(700))
+    index.request_started("a", hashes)
+    stored = events[0]
+    index.apply_events("a", [KVEvent(99, "removed", stored.block_hashes[-8:])])
+    assert index.evicted_in_flight("a", hashes[-2:]) and not index.evicted_in_flight("b", hashes)
+    assert not index.evicted_in_flight("a", hashes[:-2])  # still held
+    index.request_ended("a", hashes)
+    assert not index.evicted_in_flight("a", hashes)
