@@ -75,7 +75,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request) ->
     replica = _replica(request)
     # pieces cached per salt, as the KV is: one tenant cannot time another's text
     scope = body.cache_salt
-    prompt = replica.engine.tokenizer.apply_chat_template(body.prompt_messages(), cache_scope=scope)
+    prompt = body.prompt_ids(replica.engine.tokenizer, cache_scope=scope)
     return await replica.answer(body, [prompt], str(request.base_url))
 
 

@@ -27,13 +27,21 @@ from replica.api.tokenizer import WORDS
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 EOT, START_HEADER, END_HEADER = "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"
 SPECIAL_TOKENS = (BOS, EOS, EOT, START_HEADER, END_HEADER)
-#: Llama 3's chat template, shortened: a BOS, then headed turns each ended by <|eot_id|>.
-#: Every message renders on its own, so turn N's text is a prefix of turn N+1's.
+#: Llama 3.1's chat template, shortened: a BOS; a request's tools, if it has any, in a
+#: turn of their own, each as JSON (as Llama 3.1 lists them); headed turns each ended by
+#: <|eot_id|>; and after the generation prompt, Qwen 3's empty thinking when the request
+#: turns thinking off (``chat_template_kwargs``' ``enable_thinking``), so that a real
+#: engine's tests see tools and template arguments rendered. Every message renders on its
+#: own, so turn N's text is a prefix of turn N+1's.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "You may call these tools:\n{% for tool in tools %}{{ tool | tojson(indent=4) }}\n"
+    "{% endfor %}<|eot_id|>{% endif %}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
 #: English words the workloads and tests write besides the syllables of WORDS.
 ENGLISH_TEXT = (

@@ -8,7 +8,12 @@ a completion's prompt is encoded with the tokenizer's special tokens (a BOS, say
 conversation is rendered with the model's Jinja chat template (in a sandbox, with
 the names ``transformers`` gives it) and encoded without adding any, since the
 template writes its own, piece by piece between its special tokens, each piece an
-earlier turn sent found in a bounded cache (``replica/api/token_cache.py``).
+earlier turn sent found in a bounded cache (``replica/api/token_cache.py``). The
+template is given what vLLM gives it beside the messages (``chat_variables``: tools,
+documents, ``chat_template_kwargs``), in transformers' Jinja environment (its
+``tojson``, which writes non-ASCII as is; ``strftime_now``; the ``generation`` tag), and
+a conversation with tools is rendered by the model's ``tool_use`` template where it
+ships one, as transformers picks it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.nodes
+import jinja2.parser
 import numpy as np
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
@@ -48,6 +56,8 @@ class HFTokenizer:
     #: The ids of pieces between special tokens that earlier conversations sent (None:
     #: off, or a tokenizer whose pieces are not encoded independently).
     pieces: PieceCache | None = None
+    #: The model's ``tool_use`` template, for a conversation with tools (None: ``render``).
+    render_tools: Callable[..., str] | None = None
 
     @classmethod
     def load(
@@ -74,6 +84,7 @@ class HFTokenizer:
             if saved.is_file()
             else config.get("chat_template")
         )
+        tool_use = _named(template).get("tool_use") if template else None
         return cls(
             name=str(path),
             tokenizer=tokenizer,
@@ -82,6 +93,7 @@ class HFTokenizer:
             render=_compile(_pick_template(template)) if template else None,
             special_tokens=special,
             pieces=PieceCache.for_tokenizer(tokenizer, cache_tokens),
+            render_tools=_compile(tool_use) if tool_use else None,
         )
 
     def encode(self, text: str) -> np.ndarray:
@@ -96,25 +108,35 @@ class HFTokenizer:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         cache_scope: str | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> np.ndarray:
-        """The conversation rendered by the model's template, then encoded as is (its
-        pieces cached apart for each ``cache_scope``)."""
-        if self.render is None:
-            raise ValueError(
-                f"tokenizer {self.name} has no chat template: give one (--chat-template FILE)"
-            )
+        """The conversation rendered by the model's template with ``variables`` (as
+        transformers renders it: ``tools`` and ``documents`` none unless given, the special
+        tokens unless ``variables`` name them), then encoded as is (its pieces cached
+        apart for each ``cache_scope``)."""
+        variables = variables or {}
+        render = self._template(variables)
+        context = {"tools": None, "documents": None, **self.special_tokens, **variables}
+        context |= {"messages": [dict(m) for m in messages]}
         try:
-            text = self.render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-        except jinja2.TemplateError as error:
+            text = render(**context, add_generation_prompt=add_generation_prompt)
+        except Exception as error:  # client data meets the template: vLLM answers 400
             raise ValueError(f"chat template: {error}") from None
         if self.pieces is not None:
             return self.pieces.encode(text, cache_scope)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=TOKEN_DTYPE)
+
+    def _template(self, variables: Mapping[str, Any]) -> Callable[..., str]:
+        """The model's ``tool_use`` template for a conversation with tools where it ships
+        one (transformers' choice), else its template; raises if it has none."""
+        if variables.get("tools") is not None and self.render_tools is not None:
+            return self.render_tools
+        if self.render is None:
+            raise ValueError(
+                f"tokenizer {self.name} has no chat template: give one (--chat-template FILE)"
+            )
+        return self.render
 
 
 def load_tokenizer(
@@ -169,9 +191,10 @@ JINJA_CHARS = "{}\n"
 def _template_text(chat_template: str) -> str:
     """``--chat-template``: a file's path or the template itself, as vLLM takes it (a
     path that does not open is an error, not a template that renders the path)."""
-    path = Path(chat_template)
-    if path.is_file():
-        return path.read_text()
+    try:
+        return Path(chat_template).read_text()
+    except OSError:  # no such file, or text too long to be a path's name
+        pass
     if not any(c in chat_template for c in JINJA_CHARS):
         raise ValueError(
             f"chat template {chat_template!r} looks like a file's path, but "
@@ -181,27 +204,69 @@ def _template_text(chat_template: str) -> str:
     return chat_template
 
 
-def _pick_template(template: str | list[dict[str, str]]) -> str:
-    """Some models ship named templates (``default``, ``tool_use``): chat uses ``default``."""
+def _named(template: str | list[dict[str, str]]) -> dict[str, str]:
+    """Some models ship named templates (``default``, ``tool_use``); one is ``default``."""
     if isinstance(template, str):
-        return template
-    named = {entry["name"]: entry["template"] for entry in template}
+        return {"default": template}
+    return {entry["name"]: entry["template"] for entry in template}
+
+
+def _pick_template(template: str | list[dict[str, str]]) -> str:
+    """The template of a conversation without tools: ``default``."""
+    named = _named(template)
     if "default" not in named:
         raise ValueError(f"no default chat template among {', '.join(named)}")
     return named["default"]
 
 
 def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: non-ASCII as is and no HTML escaping, unlike Jinja's own
+    (a tool's description in another script renders as the engine renders it)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    """The date some templates write (Llama 3.1's), read as transformers reads it."""
+    return datetime.now().strftime(format)
+
+
+class _Generation(Extension):
+    """transformers' ``{% generation %}`` tag (it marks the assistant's tokens for
+    training): its body renders as is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 types it as a set)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 def _compile(template: str) -> Callable[..., str]:
-    """The template compiled as ``transformers`` does: sandboxed, blocks trimmed."""
+    """The template compiled as ``transformers`` does: sandboxed, blocks trimmed, its
+    filters, globals and tags."""
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
     )
     environment.globals["raise_exception"] = _raise_exception
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    environment.globals["strftime_now"] = _strftime_now
+    environment.filters["tojson"] = _tojson
     try:
         return environment.from_string(template).render
     except jinja2.TemplateSyntaxError as error:

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from replica.api.chat_variables import chat_variables, tokenize_variables
 from replica.api.tokenizer import TOKEN_DTYPE, Tokenizer
 
 #: Token ids are 32-bit (see replica.tokenizer).
@@ -36,7 +37,8 @@ class _Sampling(BaseModel):
     """What completions and chat share: the sampling parameters, with vLLM's ranges.
 
     Fields the simulated model has nothing to do with (``user``, ``response_format``,
-    ``tools``, penalties, ...) are accepted, checked as vLLM checks them, and ignored.
+    penalties, ...) are accepted, checked as vLLM checks them, and ignored (a chat's
+    ``tools`` only change its prompt, where the chat template renders them).
     """
 
     model_config = ConfigDict(extra="allow")  # unknown fields are accepted and ignored
@@ -184,6 +186,20 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    #: Rendered by the chat template with ``tools``, as vLLM renders them.
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_fields_as_vllm_reads_them(self) -> ChatCompletionRequest:
+        self.template_variables()  # a tool without a name, say: vLLM's 400
+        return self
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template is given beside the messages, as vLLM gives it."""
+        fields = {"tools", "documents", "reasoning_effort", "chat_template_kwargs"}
+        return chat_variables(self.model_dump(include=fields))
 
     @model_validator(mode="after")
     def _tool_choice_as_vllm_checks_it(self) -> ChatCompletionRequest:
@@ -233,6 +249,12 @@ class ChatCompletionRequest(_Sampling):
         """The conversation as role and text, ready for the chat template."""
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
+    def prompt_ids(self, tokenizer: Tokenizer, cache_scope: str | None = None) -> np.ndarray:
+        """The conversation through the chat template, with what vLLM gives it beside the
+        messages; a template that refuses it (no tools, say) is vLLM's 400."""
+        variables = self.template_variables()
+        return conversation_ids(tokenizer, self.prompt_messages(), True, cache_scope, variables)
+
 
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a completion's ``prompt`` or a conversation's
@@ -244,12 +266,19 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    #: What vLLM's /tokenize gives the chat template beside the messages.
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_of_prompt_or_messages(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
+        self.template_variables()  # a tool without a name, say: vLLM's 400
         return self
+
+    def template_variables(self) -> dict[str, Any]:
+        return tokenize_variables(self.model_dump(include={"tools", "chat_template_kwargs"}))
 
     def token_ids(self, tokenizer: Tokenizer) -> np.ndarray:
         if self.prompt is not None:
@@ -257,7 +286,25 @@ class TokenizeRequest(BaseModel):
         messages = [
             {"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages or ())
         ]
-        return tokenizer.apply_chat_template(messages, self.add_generation_prompt)
+        variables = self.template_variables()
+        return conversation_ids(tokenizer, messages, self.add_generation_prompt, None, variables)
+
+
+def conversation_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    cache_scope: str | None,
+    variables: dict[str, Any],
+) -> np.ndarray:
+    """The ids of a conversation; raises :class:`Rejected` (400) where the chat template
+    refuses it, as vLLM answers a template's error."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt, cache_scope=cache_scope, variables=variables
+        )
+    except ValueError as error:
+        raise Rejected(str(error), 400, "messages") from None
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -52,10 +52,13 @@ class Tokenizer(Protocol):
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         cache_scope: str | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> np.ndarray:
         """The conversation's ids. ``cache_scope``: whose cache of earlier pieces the
         encoding may use (a tenant's: a piece only another scope sent is encoded again,
-        so its timing tells nothing of what others sent)."""
+        so its timing tells nothing of what others sent). ``variables``: what the
+        template is given beside the messages, as vLLM gives it (the request's tools,
+        documents, ``chat_template_kwargs``: ``replica.api.chat_variables``)."""
         ...
 
 
@@ -99,9 +102,11 @@ class ByteTokenizer:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         cache_scope: str | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> np.ndarray:
         """Token ids of the rendered conversation (see :func:`render_chat`); no cache,
-        so no scope."""
+        so no scope. The simulated model's template renders the messages alone, as a
+        model's template without a tools section does: ``variables`` change nothing."""
         return np.frombuffer(render_chat(messages, add_generation_prompt), dtype=TOKEN_DTYPE)
 
 

@@ -9,7 +9,9 @@ joining backend is checked, in this order, stopping at the first disagreement:
 1. **block size**: what the engine says of itself (its card: our ``/stats``, vLLM's
    ``vllm:cache_config_info``) against the router's ``--block-size``;
 2. **tokenizer**: the engine's ``POST /tokenize`` (vLLM's, and ours) of a canary
-   completion prompt and of a canary conversation, against the gateway's own tokens;
+   completion prompt, of a canary conversation, and of that conversation with a tool
+   and a template argument (which vLLM renders into the chat template, and so must the
+   gateway: ``replica/api/chat_variables.py``), against the gateway's own tokens;
 3. **events**: a canary prompt, fresh (it opens with a random nonce), is sent to the
    backend alone; the ``BlockStored`` events it causes must key
    (``router/index/event_keys.py``) to the router's identities of that prompt.
@@ -34,6 +36,7 @@ import aiohttp
 import numpy as np
 
 from replica.api.card import EngineCard
+from replica.api.chat_variables import tokenize_variables
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE, WORDS, Message, Tokenizer
@@ -48,6 +51,24 @@ CANARY_CHAT: tuple[Message, ...] = (
     {"role": "system", "content": "You are a careful assistant."},
     {"role": "user", "content": "What is a prefix cache?"},
 )
+#: What the canary conversation is sent with for the template's arguments: a tool (its
+#: description not ASCII, which transformers' ``tojson`` writes as is) and Qwen's
+#: ``enable_thinking``, as clients send them.
+CANARY_ARGUMENTS: dict[str, object] = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Le temps qu'il fait à une ville",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ],
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+#: The conversation with them, as a verdict names it.
+ARGUMENTS_CHAT = "chat with a tool and a template argument"
 
 
 @dataclass(frozen=True)
@@ -173,6 +194,30 @@ class BackendCheck:
             difference = _difference(ours.tolist(), theirs)
             if difference:
                 return f"it tokenizes a canary {kind} differently ({difference}): {fix}", None
+        return await self.arguments_difference(url, model)
+
+    async def arguments_difference(self, url: str, model: str) -> tuple[str | None, str | None]:
+        """What differs in the canary conversation with a tool and a template argument,
+        once it agrees without them (so only their rendering can differ), and a check
+        skipped: an engine whose template refuses tools has no such requests to route."""
+        body = {"messages": list(CANARY_CHAT), **CANARY_ARGUMENTS}
+        fix = "give the gateway the chat template the engine renders tools with (--chat-template)"
+        try:
+            theirs = await self._tokenize(url, {"model": model, **body})
+        except aiohttp.ClientResponseError as error:
+            if error.status != 400:
+                raise
+            theirs = None
+        if theirs is None:
+            return None, f"template arguments (the engine refuses a {ARGUMENTS_CHAT})"
+        try:
+            variables = tokenize_variables(body)
+            ours = self.tokenizer.apply_chat_template(CANARY_CHAT, variables=variables)
+        except ValueError as error:
+            return f"the gateway cannot render a canary {ARGUMENTS_CHAT} ({error}): {fix}", None
+        difference = _difference(ours.tolist(), theirs)
+        if difference:
+            return f"it tokenizes a canary {ARGUMENTS_CHAT} differently ({difference}): {fix}", None
         return None, None
 
     async def _tokenize(self, url: str, body: dict[str, object]) -> list[int] | None:

@@ -6,7 +6,8 @@ route (a body over the limits, a body that is not a JSON object, a model no repl
 serves: ``Gateway.resolve``) and forwards everything else as the client wrote it, for the backend to
 accept or refuse as it would without a router. What it needs for routing it reads
 leniently: the prompt (the first of a batch), rendered by the replicas' chat
-template; a request whose prompt it cannot read is routed by load alone.
+template with what vLLM gives it beside the messages (tools, documents, template
+arguments); a request whose prompt it cannot read is routed by load alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from fastapi import Request
 
 from replica.api import openai as api
+from replica.api.chat_variables import chat_variables
 from replica.api.tokenizer import Tokenizer
 
 
@@ -116,7 +118,8 @@ def request_prompts(
     try:
         if chat:
             messages = api.chat_prompt_messages(body["messages"])
-            return [tokenizer.apply_chat_template(messages, cache_scope=tenant)]
+            extra = chat_variables(body)  # tools, documents, ...: vLLM renders them too
+            return [tokenizer.apply_chat_template(messages, cache_scope=tenant, variables=extra)]
         return api.prompt_token_ids(body["prompt"], tokenizer)
     except (KeyError, ValueError):  # pydantic's and Rejected are ValueErrors too
         return None

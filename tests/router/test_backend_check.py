@@ -14,6 +14,7 @@ from replica.tiny_model import TinyModelConfig, write_tiny_model
 from router.config import GatewayConfig
 from router.gateway import Gateway
 from tests.shared import (
+    CHAT_TEMPLATE,
     awaited,
     build_hf_tokenizer,
     logged_gateway,
@@ -129,6 +130,26 @@ def test_another_chat_template_is_found_by_the_canary_conversation(tmp_path):
     assert backend.routing_mode == "approximate"
     assert "tokenizes a canary chat differently" in (backend.approximate_reason or "")
     assert "completion" not in (backend.approximate_reason or "")
+
+
+def test_a_gateway_that_renders_tools_otherwise_is_found_by_the_canary_with_a_tool(tmp_path):
+    """The same tokenizer and turns, but the engine's template renders a request's tools
+    and the gateway's does not: the canary completion and conversation agree, the
+    conversation with a tool and a template argument does not, and the reason says so."""
+    model = str(build_hf_tokenizer(tmp_path / "model"))
+    with_tools = tmp_path / "tools.jinja"
+    with_tools.write_text("{% if tools %}{{ tools | tojson }}{% endif %}" + CHAT_TEMPLATE)
+    with (
+        running(["replica", "--tokenizer", model, "--chat-template", str(with_tools)]) as (
+            replica,
+        ),
+        logged_gateway(tmp_path / "log", f"--backend={replica}", f"--tokenizer={model}") as url,
+    ):
+        (backend,) = wait_until_checked(url).backends
+    assert backend.routing_mode == "approximate"
+    reason = backend.approximate_reason or ""
+    assert "tokenizes a canary chat with a tool and a template argument differently" in reason
+    assert "--chat-template" in reason
 
 
 def test_a_backend_is_routed_approximately_until_its_check_passes():

@@ -17,10 +17,13 @@ import numpy as np
 import psutil
 import pytest
 
+from replica.api.chat_variables import tokenize_variables
 from replica.api.cost_model import get_profile
+from replica.api.model_tokenizer import load_tokenizer
 from replica.api.tokenizer import WORDS
 from replica.tiny_model import write_tiny_lora
 from replica.vllm_server import remove_orphaned_folders
+from router.path.envelope import request_prompts
 from tests.shared import (
     VLLM_ARGS,
     logged_gateway,
@@ -105,6 +108,44 @@ def test_a_prefix_warmed_on_one_server_is_routed_there_and_predicted_exactly(
         (stats,) = [httpx.get(f"{url}/stats").json()]
         counts = [c for b in stats["backends"] for c in b["by_policy"].values()]
         assert sum(c["exact_predictions"] for c in counts) == sum(c["predictions"] for c in counts)
+
+
+def test_a_chat_with_tools_and_template_arguments_is_tokenized_as_vllm_renders_it(
+    servers, tiny_model
+):
+    """The gateway gives the chat template what vLLM gives it beside the messages (the
+    tools as vLLM dumps them, non-ASCII as is; ``chat_template_kwargs``; the
+    ``enable_thinking`` a ``reasoning_effort`` sets): its tokens are vLLM's own, for a
+    chat completion and for ``/tokenize``. The tiny model's template renders both."""
+    tokenizer, url = load_tokenizer(str(tiny_model)), servers[0].url
+    tools = [
+        {"function": {"parameters": {"type": "object"}, "name": "météo", "x": 1}},
+        {"type": "function", "function": {"name": "f", "description": "<b>東京</b>", "strict": 1}},
+    ]
+    chat = [{"role": "system", "content": "bal kes"}, {"role": "user", "content": "dit mon"}]
+    plain = request_prompts({"messages": chat}, True, tokenizer)[0].tolist()
+    for extra in (
+        {"tools": tools, "chat_template_kwargs": {"enable_thinking": False}},
+        {
+            "tools": tools[:1],
+            "reasoning_effort": "none",
+            "documents": [{"title": "a", "text": "b"}],
+        },
+    ):
+        body = {"model": str(tiny_model), "messages": chat, "tool_choice": "none", **extra}
+        ours = request_prompts(body, True, tokenizer)[0].tolist()
+        assert len(ours) > len(plain) + 20  # the tools and the empty thinking rendered
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={**body, "max_tokens": 1, "return_token_ids": True},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["prompt_token_ids"] == ours
+    body = {"model": str(tiny_model), "messages": chat, "tools": tools}
+    body["chat_template_kwargs"] = {"enable_thinking": False}
+    ours = tokenizer.apply_chat_template(chat, variables=tokenize_variables(body)).tolist()
+    assert httpx.post(f"{url}/tokenize", json=body, timeout=60).json()["tokens"] == ours
 
 
 def test_an_adapters_blocks_are_keyed_by_its_name_and_predicted_exactly(

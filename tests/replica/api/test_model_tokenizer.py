@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
 
+from replica.api.chat_variables import chat_variables
 from replica.api.model_tokenizer import load_tokenizer
 from replica.engine import Engine, EngineConfig, EngineRequest
 from tests.shared import build_hf_tokenizer
@@ -64,6 +65,58 @@ def test_a_given_chat_template_replaces_the_tokenizers(model_dir, tmp_path, rust
         inline.apply_chat_template(CHAT).tolist()
         == rust.encode(CHAT[0]["content"], add_special_tokens=False).ids
     )
+
+
+#: A template that uses what vLLM gives it beside the messages, as models' templates do.
+TOOLS_TEMPLATE = (
+    "{% if tools is not none %}{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "{{ tools[0] | tojson(indent=2) }}\n{% endif %}{% if documents is none %}-\n{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> "
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+TOOL = {
+    "type": "function",
+    "function": {"name": "météo", "description": "<b>Zürich</b> & 東京", "parameters": {}},
+}
+
+
+def test_tools_and_template_arguments_render_as_transformers_renders_them(model_dir, rust):
+    """transformers' ``tojson`` (non-ASCII and HTML as they are, its ``indent``), tools
+    and documents none unless given: the text vLLM renders, token for token."""
+    transformers = pytest.importorskip("transformers")  # vLLM's: the vllm extra installs it
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    ours = load_tokenizer(str(model_dir), chat_template=TOOLS_TEMPLATE)
+    with_tools = chat_variables(
+        {"tools": [TOOL], "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    for variables in ({}, with_tools):
+        text = hf.apply_chat_template(
+            CHAT,
+            chat_template=TOOLS_TEMPLATE,
+            add_generation_prompt=True,
+            tokenize=False,
+            **variables,
+        )
+        ids = ours.apply_chat_template(CHAT, variables=variables)
+        assert ids.tolist() == rust.encode(text, add_special_tokens=False).ids
+    assert "東京" in text and "<think></think>" in text
+
+
+def test_a_conversation_with_tools_takes_the_models_tool_use_template(model_dir, tmp_path):
+    folder = tmp_path / "named"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    named = [
+        {"name": "default", "template": "plain {{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "tools {{ tools[0]['function']['name'] }}"},
+    ]
+    config = {"eos_token": "<|eot|>", "chat_template": named}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(folder))
+    assert tokenizer.decode(tokenizer.apply_chat_template(CHAT)).startswith("plain")
+    tools = chat_variables({"tools": [TOOL]})
+    assert tokenizer.decode(tokenizer.apply_chat_template(CHAT, variables=tools)) == "tools météo"
 
 
 def test_templates_and_tokenizers_that_cannot_serve_say_why(model_dir, tmp_path):
