@@ -21,12 +21,21 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.engines import deployment_of, replica_actor
-from deploy.gateways import ActorStatus, gateway_names, gateway_status, start_gateways
+from deploy.gateways import (
+    ActorStatus,
+    FleetCredentials,
+    fleet_credentials,
+    gateway_names,
+    gateway_status,
+    running_credentials,
+    start_gateways,
+)
 from deploy.names import NAMESPACE, REPLICA_PREFIX, SCALER_NAME, numbered
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from replica.api.card import EngineCard
 from replica.api.engines import read_figures
+from replica.api.fleet_token import bearer, fleet_token
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 
@@ -113,13 +122,15 @@ def up(
     gateways: int = 1,
     keep: Collection[str] = (),
     autoscale: AutoscaleConfig | None = None,
+    credentials: FleetCredentials | None = None,
 ) -> tuple[list[str], list[str]]:
     """Scale to a replica actor per engine of ``engines`` (they may serve several models:
     deploy/fleet.py) and ``gateways`` gateways, one per node; the gateways' fields named
     in ``keep`` (the user's flags) are not taken from the engine. A replica kept from an
     earlier ``up`` keeps its engine. ``autoscale``: a detached scaler actor grows and
     shrinks the fleet within its bounds from then on (deploy/scaler.py); without it, a
-    scaler an earlier ``up`` left is removed.
+    scaler an earlier ``up`` left is removed. ``credentials``: the fleet's token and
+    secret (by default those of the running gateways, else new ones).
 
     Returns the gateways' URLs and the replicas'. Requires :func:`connect`.
     """
@@ -132,11 +143,12 @@ def up(
             f"--gateways {gateways}: one gateway per node, and the cluster has {len(nodes)}"
         )
     stop_scaler()  # first: it starts no replica while this one places them
+    credentials = credentials or fleet_credentials()
     wanted = [f"{REPLICA_PREFIX}{i}" for i in range(replicas)]
     for name in replica_names():
         if name not in wanted:
             ray.kill(ray.get_actor(name), no_restart=True)
-    handles = _place_replicas(engines, wanted, host, nodes)
+    handles = _place_replicas(engines, wanted, host, nodes, credentials.token)
     timeout_s = max(getattr(engine, "startup_timeout_s", 120.0) for engine in engines)
     cards = ready_cards(handles, timeout_s=timeout_s)
     fronts, _ = start_gateways(
@@ -146,16 +158,22 @@ def up(
         nodes[:gateways],
         detached=True,
         backends=replicas,
+        credentials=credentials,
     )
     if autoscale is not None:
-        _start_detached_scaler(autoscale, engines, host, fronts[0])
+        _start_detached_scaler(autoscale, engines, host, fronts[0], credentials.token)
     return fronts, [card.url for card in cards]
 
 
 def _place_replicas(
-    engines: Sequence[EngineSpec], names: list[str], host: str | None, nodes: list[str]
+    engines: Sequence[EngineSpec],
+    names: list[str],
+    host: str | None,
+    nodes: list[str],
+    fleet_token: str,
 ) -> list[Any]:
-    """A detached replica actor per engine, under ``names``: one already there is kept."""
+    """A detached replica actor per engine, under ``names``: one already there is kept
+    (it answers the token it was given: a later ``up`` gives the running fleet's)."""
     return [
         replica_actor(engine)
         .options(
@@ -164,19 +182,23 @@ def _place_replicas(
             get_if_exists=True,
             **placement(engine, index, len(engines), nodes),
         )
-        .remote(engine, host)
+        .remote(engine, host, fleet_token)
         for index, (name, engine) in enumerate(zip(names, engines, strict=True))
     ]
 
 
 def _start_detached_scaler(
-    autoscale: AutoscaleConfig, engines: Sequence[EngineSpec], host: str | None, gateway: str
+    autoscale: AutoscaleConfig,
+    engines: Sequence[EngineSpec],
+    host: str | None,
+    gateway: str,
+    fleet_token: str,
 ) -> None:
     """The scaler, placing new replicas as ``up`` places them, outliving this process."""
     options = {"num_cpus": REPLICA_CPUS, "scheduling_strategy": "SPREAD", "lifetime": "detached"}
     if deployment_of(engines[0]).takes_a_device and ray.cluster_resources().get("GPU", 0):
         options["num_gpus"] = 1
-    start_scaler(autoscale, engines, host, gateway, options, detached=True)
+    start_scaler(autoscale, engines, host, gateway, options, detached=True, fleet_token=fleet_token)
 
 
 def stop_scaler() -> bool:
@@ -214,6 +236,8 @@ def status(timeout_s: float = 10.0) -> tuple[list[ActorStatus], list[ActorStatus
     """Every gateway's state and every replica's, with how the first gateway routes it."""
     gateways = gateway_status(timeout_s)
     modes = gateways[0].backends if gateways else {}
+    credentials = running_credentials()
+    token = credentials.token if credentials else fleet_token()
     rows: list[ActorStatus] = []
     for name in replica_names():
         handle = ray.get_actor(name)
@@ -223,16 +247,17 @@ def status(timeout_s: float = 10.0) -> tuple[list[ActorStatus], list[ActorStatus
         except (ray.exceptions.RayError, TimeoutError):
             rows.append(ActorStatus(name, "?", "?", False, None, None))
             continue
-        rows.append(_probe(name, node, card, timeout_s, modes.get(name)))
+        rows.append(_probe(name, node, card, timeout_s, modes.get(name), token))
     return gateways, rows
 
 
 def _probe(
-    name: str, node: str, card: EngineCard, timeout_s: float, routing: str | None
+    name: str, node: str, card: EngineCard, timeout_s: float, routing: str | None, token: str
 ) -> ActorStatus:
-    """A replica's health and figures: ours from their ``/stats``, vLLM from ``/metrics``."""
+    """A replica's health and figures: ours from their ``/stats``, vLLM from ``/metrics``
+    (asked with the fleet's ``token``)."""
     try:
-        with httpx.Client(timeout=timeout_s) as client:
+        with httpx.Client(timeout=timeout_s, headers=bearer(token)) as client:
             figures = read_figures(client, card.url)
     except (httpx.HTTPError, ValueError):
         return ActorStatus(name, node, card.url, False, None, None, routing)

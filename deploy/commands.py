@@ -25,6 +25,7 @@ from deploy.replicas import EngineSpec
 from deploy.serving import serve_http
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES
+from replica.api.fleet_token import ENV_FLEET_TOKEN, fleet_token
 from replica.api.model_tokenizer import load_tokenizer
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 from router.config import GatewayConfig
@@ -96,6 +97,7 @@ def add_cluster_parsers(commands: Any) -> None:
     up.add_argument("--gateways", type=int, default=1, help="one per node (default: 1)")
     up.add_argument("--host", help="address to listen on (default: each node's Ray address)")
     up.add_argument("--port", type=int, default=8000, help="the gateways' port")
+    add_open_replicas_flag(up)
     add_fleet_flags(up)
     add_config_flags(up, AutoscaleConfig)
     up.set_defaults(run=run_up)
@@ -110,15 +112,23 @@ def add_cluster_parsers(commands: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from deploy import cluster
+    from deploy.gateways import fleet_credentials, keep_token
 
     gateway, engine, keep = fleet_configs(args)
     cluster.connect(args.address)
     engines = fleet_engines(args.fleet, args.replicas, engine, args.prefill, args.decode)
     autoscale = autoscale_config(args)
+    credentials = fleet_credentials(args.open_replicas)
     gateways, replicas = cluster.up(
-        engines, gateway, args.host, args.port, args.gateways, keep, autoscale
+        engines, gateway, args.host, args.port, args.gateways, keep, autoscale, credentials
     )
     print(f"{len(replicas)} replicas: {', '.join(replicas)}")
+    token_file = keep_token(credentials.token, "up")
+    if credentials.token:
+        where = f"in {token_file}" if token_file else f"${ENV_FLEET_TOKEN}'s"
+        print(f"replicas answer only requests carrying the fleet's token ({where})")
+    else:
+        print("replicas answer anyone (--open-replicas): keep them off every network")
     if autoscale is not None:
         print(scaling_text(autoscale, engines))
     for url in gateways:
@@ -172,6 +182,7 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--separate-ports", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    add_open_replicas_flag(parser)
     add_fleet_flags(parser)
     add_config_flags(parser, AutoscaleConfig)
     parser.set_defaults(run=run_serve)
@@ -191,8 +202,18 @@ def run_serve(args: argparse.Namespace) -> int:
         args.separate_ports,
         keep,
         autoscale,
+        args.open_replicas,
     )
     return 0
+
+
+def add_open_replicas_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--open-replicas",
+        action="store_true",
+        help="replicas that answer anyone, not only the fleet's token: for a router "
+        "that sends its workers no credential (vLLM's router in P/D mode)",
+    )
 
 
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig | None:
@@ -287,6 +308,13 @@ def add_replica_parser(commands: Any) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument(
+        "--fleet-token-file",
+        default="",
+        metavar="FILE",
+        help="answer only requests carrying the token this file holds (as a bearer "
+        f"token), but /health; default: ${ENV_FLEET_TOKEN}, else anyone's",
+    )
     add_config_flags(parser, ReplicaConfig)
     parser.set_defaults(run=run_replica)
 
@@ -296,5 +324,7 @@ def run_replica(args: argparse.Namespace) -> int:
 
     config = config_from_args(ReplicaConfig, args)
     check_tokenizer(config)
-    serve_http(create_app(config, kv_events_host=args.host), args.host, args.port)
+    token = fleet_token(args.fleet_token_file)
+    app = create_app(config, kv_events_host=args.host, fleet_token=token)
+    serve_http(app, args.host, args.port)
     return 0

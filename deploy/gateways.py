@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, cast
 
 import ray
@@ -30,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from deploy.names import GATEWAY_PREFIX, REPLICA_PREFIX, numbered
 from deploy.serving import PortBusyError, listening_socket, serve_in_loop
 from replica.api import stats as stats_codec
+from replica.api.fleet_token import fleet_token
 from router.config import GatewayConfig
 from router.fair.tenants import fleet_secret
 from router.http.app import create_app
@@ -45,12 +47,12 @@ class GatewayServer:
         host: str | None,
         port: int,
         reuse_port: bool = True,
-        secret: bytes = b"",
+        credentials: FleetCredentials | None = None,
     ) -> None:
         self.config, self.host, self.port, self.reuse_port = config, host, port, reuse_port
-        #: The fleet's secret, that tenants' salts are keyed with: every gateway of the
-        #: fleet has the same (:func:`start_gateways`), so they salt a tenant alike.
-        self.secret = secret
+        #: The fleet's token and secret: every gateway of the fleet has the same
+        #: (:func:`start_gateways`), so they reach the replicas and salt a tenant alike.
+        self.credentials = credentials or FleetCredentials("", b"")
         self._app: Any = None
         self._task: asyncio.Task[None] | None = None
         # Ray runs an async actor's constructor in the actor's event loop: the server
@@ -60,7 +62,10 @@ class GatewayServer:
     async def _serve(self) -> str:
         host = self.host or ray.util.get_node_ip_address()
         self._app = create_app(
-            self.config, ray_replica_prefix=REPLICA_PREFIX, secret=self.secret or None
+            self.config,
+            ray_replica_prefix=REPLICA_PREFIX,
+            secret=self.credentials.secret,
+            fleet_token=self.credentials.token,
         )
         sock = listening_socket(host, self.port, self.reuse_port)
         _, self._task = await serve_in_loop(self._app, host, self.port, sock)
@@ -79,9 +84,9 @@ class GatewayServer:
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    async def fleet_secret(self) -> bytes:
-        """For a gateway started beside it (inside the Ray cluster only)."""
-        return self.secret
+    async def fleet_credentials(self) -> FleetCredentials:
+        """For a gateway or replica started beside it (inside the Ray cluster only)."""
+        return self.credentials
 
     async def ready(self, backends: int) -> None:
         """Once it routes to ``backends`` replicas (it finds the actors by name, a
@@ -106,15 +111,16 @@ def start_gateways(
     nodes: Sequence[str] = (),
     detached: bool = False,
     backends: int = 0,
+    credentials: FleetCredentials | None = None,
 ) -> tuple[list[str], list[Any]]:
     """Gateways ``gateway-0`` .. ``gateway-{len(ports)-1}`` (those running stay, the
     ones beyond are removed), gateway ``i`` on ``ports[i]`` and, given ``nodes``, on
-    node ``nodes[i]``, each routing to ``backends`` replicas when this returns.
-    Returns their URLs and handles (an actor that is not detached lives as long as a
-    handle to it)."""
+    node ``nodes[i]``, each routing to ``backends`` replicas when this returns, with
+    the fleet's ``credentials`` (by default :func:`fleet_credentials`). Returns their
+    URLs and handles (an actor that is not detached lives as long as a handle to it)."""
+    credentials = credentials or fleet_credentials()
     for name in gateway_names()[len(ports) :]:
         ray.kill(ray.get_actor(name), no_restart=True)
-    secret = _fleet_secret()
     handles = []
     for i, port in enumerate(ports):
         node = nodes[i] if i < len(nodes) else None
@@ -126,20 +132,59 @@ def start_gateways(
                 num_cpus=0,
                 scheduling_strategy=placement,
                 **({"lifetime": "detached"} if detached else {}),
-            ).remote(config, host, port, True, secret)
+            ).remote(config, host, port, True, credentials)
         )
     urls = [_listening(handle, port) for handle, port in zip(handles, ports, strict=True)]
     ray.get([handle.ready.remote(backends) for handle in handles], timeout=120)
     return urls, handles
 
 
-def _fleet_secret() -> bytes:
-    """The secret of the gateways already running (a later ``up`` adds gateways to a
-    fleet), else the operator's (``$PREFIX_ROUTER_FLEET_SECRET``), else a new one."""
+@dataclass(frozen=True)
+class FleetCredentials:
+    """What a fleet's parts share: the token its replicas ask of every caller
+    (replica/api/fleet_token.py), and the secret its gateways key tenants' salts with
+    (router/fair/tenants.py), which never leaves the gateways."""
+
+    token: str
+    secret: bytes
+
+    def __repr__(self) -> str:  # never in a log or a traceback
+        return "FleetCredentials(token=..., secret=...)"
+
+
+def fleet_credentials(open_replicas: bool = False) -> FleetCredentials:
+    """Those of the gateways already running (a later ``up`` adds to a fleet), else the
+    operator's (``$PREFIX_ROUTER_FLEET_TOKEN``, ``$PREFIX_ROUTER_FLEET_SECRET``), else
+    new ones. ``open_replicas``: no token (the replicas answer anyone)."""
+    running = running_credentials()
+    if running is not None:
+        return replace(running, token="") if open_replicas else running
+    token = "" if open_replicas else fleet_token() or secrets.token_urlsafe(32)
+    return FleetCredentials(token, fleet_secret() or secrets.token_hex(32).encode())
+
+
+def running_credentials() -> FleetCredentials | None:
+    """The running gateways' credentials (``None``: no gateway runs)."""
     running = gateway_names()
-    if running:
-        return cast(bytes, ray.get(ray.get_actor(running[0]).fleet_secret.remote(), timeout=60))
-    return fleet_secret() or secrets.token_hex(32).encode()
+    if not running:
+        return None
+    gateway = ray.get_actor(running[0])
+    return cast(FleetCredentials, ray.get(gateway.fleet_credentials.remote(), timeout=60))
+
+
+def keep_token(token: str, name: str) -> Path | None:
+    """Where the user finds a token ``serve`` or ``up`` made: a file only they can read,
+    ``~/.prefix-router/fleet-token-NAME`` (``None``: no token, or the operator's own,
+    from ``$PREFIX_ROUTER_FLEET_TOKEN``, which stays there)."""
+    if not token or fleet_token() == token:
+        return None
+    folder = Path.home() / ".prefix-router"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"fleet-token-{name}"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(token + "\n")
+    return path
 
 
 def _listening(handle: Any, port: int) -> str:

@@ -17,18 +17,20 @@ import signal
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from deploy.engines import deployment_of, replica_actor
 from deploy.fleet import scaling_text
-from deploy.gateways import start_gateways
+from deploy.gateways import fleet_credentials, keep_token, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
 from deploy.serving import listening_socket, serve_http
 from replica.api.card import EngineCard
+from replica.api.fleet_token import ENV_FLEET_TOKEN
 from router.config import GatewayConfig
 from router.fleet.autoscaler import AutoscaleConfig
 from router.http.app import create_app
@@ -59,11 +61,14 @@ def serve(
     separate_ports: bool = False,
     keep: Collection[str] = (),
     autoscale: AutoscaleConfig | None = None,
+    open_replicas: bool = False,
 ) -> None:
     """Run until interrupted, a replica per engine of ``engines`` (they may serve several
     models: deploy/fleet.py); everything started here is stopped on the way out. The
     gateway's fields named in ``keep`` (the user's flags) are not taken from the engine.
-    ``autoscale``: the fleet grows and shrinks within its bounds (deploy/scaler.py)."""
+    ``autoscale``: the fleet grows and shrinks within its bounds (deploy/scaler.py).
+    The replicas answer only the fleet's token (made here, else the operator's), unless
+    ``open_replicas``."""
     if len(engines) < 1 or gateways < 1:
         raise ValueError("serve needs at least one replica and one gateway")
     # The port first: a busy one fails at once, and Ray's processes cannot take it.
@@ -74,20 +79,33 @@ def serve(
         with signals.deferred():  # an interrupted ray.init leaves half a Ray behind
             start_local_ray()
         signals.install()  # ray.init sets a SIGTERM handler of its own
-        started.replicas = _start_replicas(engines, host)
+        credentials = fleet_credentials(open_replicas)
+        started.token_file = keep_token(credentials.token, str(port))
+        started.replicas = _start_replicas(engines, host, credentials.token)
         cards = ready_cards(started.replicas)
         _say_replicas(cards)
+        _say_token(credentials.token, started.token_file)
         gateway = gateway.configured_by(cards[0], keep)
         if autoscale is not None:
-            started.scaler = start_scaler(autoscale, engines, host, f"http://{host}:{port}")
+            url = f"http://{host}:{port}"
+            started.scaler = start_scaler(
+                autoscale, engines, host, url, fleet_token=credentials.token
+            )
             _say(scaling_text(autoscale, engines))
         if gateways == 1:
             _say(f"gateway: http://{host}:{port}/v1 (policy {gateway.policy})")
-            app = create_app(gateway, ray_replica_prefix=REPLICA_PREFIX)
+            app = create_app(
+                gateway,
+                ray_replica_prefix=REPLICA_PREFIX,
+                secret=credentials.secret,
+                fleet_token=credentials.token,
+            )
             serve_http(app, host, port, sock=sock)  # uvicorn's handlers, then it re-raises
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]
-        fronts, started.gateways = start_gateways(gateway, host, ports, backends=len(engines))
+        fronts, started.gateways = start_gateways(
+            gateway, host, ports, backends=len(engines), credentials=credentials
+        )
         for url in fronts:
             _say(f"gateway: {url}/v1 (policy {gateway.policy})")
         threading.Event().wait()
@@ -111,6 +129,8 @@ class _Started:
     #: Held until the end: an actor lives as long as its handle.
     gateways: list[Any] = field(default_factory=list)
     scaler: Any = None
+    #: Where the fleet's token was written for the user (removed with the fleet).
+    token_file: Path | None = None
 
     def stop(self) -> None:
         if self.scaler is not None:  # first: it starts no replica after this
@@ -118,16 +138,27 @@ class _Started:
         for handle in self.gateways:
             ray.kill(handle, no_restart=True)
         stop_replicas([*self.replicas, *named_replicas()])  # those a scaler started too
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)
 
 
-def _start_replicas(engines: Sequence[EngineSpec], host: str) -> list[Any]:
-    """A replica actor per engine, named in order (they start serving as they can)."""
+def _start_replicas(engines: Sequence[EngineSpec], host: str, fleet_token: str) -> list[Any]:
+    """A replica actor per engine, named in order (they start serving as they can),
+    answering only requests that carry ``fleet_token``."""
     return [
         replica_actor(engine)
         .options(name=f"{REPLICA_PREFIX}{i}", num_cpus=0)
-        .remote(deployment_of(engine).on_one_machine(engine, i, len(engines)), host)
+        .remote(deployment_of(engine).on_one_machine(engine, i, len(engines)), host, fleet_token)
         for i, engine in enumerate(engines)
     ]
+
+
+def _say_token(token: str, path: Path | None) -> None:
+    if not token:
+        _say("replicas answer anyone (--open-replicas): keep them off every network")
+        return
+    where = f"in {path}" if path else f"${ENV_FLEET_TOKEN}'s"
+    _say(f"replicas answer only requests carrying the fleet's token ({where}) as a bearer token")
 
 
 def _say_replicas(cards: Sequence[EngineCard]) -> None:

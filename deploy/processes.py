@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO
 
 import httpx
@@ -94,13 +95,18 @@ def wait_until(
 
 
 def start(
-    command: list[str], port: int, stderr: int | IO[str] = subprocess.PIPE
+    command: list[str],
+    port: int,
+    stderr: int | IO[str] = subprocess.PIPE,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
-    """``python -m prefix_router COMMAND --port PORT`` in its own process group."""
+    """``python -m prefix_router COMMAND --port PORT`` in its own process group, with
+    ``env`` added to this process's environment."""
     return subprocess.Popen(
         [sys.executable, "-m", "prefix_router", *command, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=stderr,
+        env={**os.environ, **env} if env else None,
         text=True,
         start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
     )
@@ -118,15 +124,16 @@ def stop(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def running(*commands: list[str]) -> Iterator[list[str]]:
-    """Start ``prefix-router`` subcommands (each given its --port), yield their URLs,
-    and stop every one of them however the caller ends."""
+def running(*commands: list[str], env: Mapping[str, str] | None = None) -> Iterator[list[str]]:
+    """Start ``prefix-router`` subcommands (each given its --port, ``env`` added to
+    their environment), yield their URLs, and stop every one of them however the
+    caller ends."""
     processes: list[subprocess.Popen] = []
     urls = []
     try:
         for command in commands:
             port = free_port()
-            process = start(command, port)
+            process = start(command, port, env=env)
             processes.append(process)
             url = f"http://127.0.0.1:{port}"
             wait_until(url, process)

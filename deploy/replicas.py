@@ -6,7 +6,8 @@ find it by name; requests never pass through Ray, only HTTP. Either kind answers
 same calls: ``url()`` starts its server on first use (also after a restart) and returns
 its base URL; ``card()`` returns its :class:`~replica.api.card.EngineCard` (URL, model,
 block size, pool, tokenizer, where it publishes its KV events), from which every
-gateway configures itself; ``stop()`` stops it and cleans up.
+gateway configures itself; ``stop()`` stops it and cleans up. Given the fleet's token,
+its server answers only requests that carry it (replica/api/fleet_token.py).
 
 Why vLLM runs as a process the actor owns, not embedded as Ray Serve LLM embeds its
 engine: vLLM's server is what its users run and tune (every flag passes through as
@@ -33,6 +34,7 @@ from deploy.serving import Server, listening_socket, serve_in_loop
 from replica.api.card import EngineCard, sim_card
 from replica.api.config import ReplicaConfig
 from replica.api.figures import vllm_requests_in_engine
+from replica.api.fleet_token import bearer
 from replica.server import create_app
 from replica.vllm_server import Ports, VLLMConfig, VLLMServer
 from router.fleet.autoscaler import FleetLoad
@@ -47,9 +49,12 @@ class SimReplica:
     """A simulated engine's HTTP server in the actor's event loop (the body of the actor;
     a plain class, readable and testable without Ray)."""
 
-    def __init__(self, config: ReplicaConfig, host: str | None = None) -> None:
+    def __init__(
+        self, config: ReplicaConfig, host: str | None = None, fleet_token: str = ""
+    ) -> None:
         self.config = config
         self.host = host
+        self.fleet_token = fleet_token
         self._url: str | None = None
         self._app: Any = None
         self._server: Server | None = None
@@ -64,7 +69,7 @@ class SimReplica:
                 host = self.host or ray.util.get_node_ip_address()
                 sock = listening_socket(host, 0)  # held from now: no other can take it
                 port = int(sock.getsockname()[1])
-                self._app = create_app(self.config, kv_events_host=host)
+                self._app = create_app(self.config, host, self.fleet_token)
                 self._server, self._task = await serve_in_loop(self._app, host, port, sock)
                 self._url = f"http://{host}:{port}"
             return self._url
@@ -97,9 +102,16 @@ class VLLMReplica:
     """A vLLM server process owned by the actor: started on first use, restarted on the
     same ports when it dies (watched every ``watch_s``), stopped with :meth:`stop`."""
 
-    def __init__(self, config: VLLMConfig, host: str | None = None, watch_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: VLLMConfig,
+        host: str | None = None,
+        fleet_token: str = "",
+        watch_s: float = 1.0,
+    ) -> None:
         self.config = config
         self.host = host
+        self.fleet_token = fleet_token
         self.watch_s = watch_s
         self.restarts = 0
         self.draining = False
@@ -114,7 +126,7 @@ class VLLMReplica:
             if server is None:
                 host = self.host or ray.util.get_node_ip_address()
                 ports = Ports(free_port(host), free_port(host), free_port(host))
-                server = self._server = VLLMServer(self.config, host, ports)
+                server = self._server = VLLMServer(self.config, host, ports, self.fleet_token)
             if not server.alive():
                 server.launch()  # from the event loop's thread, which lives as long as we do
                 await asyncio.to_thread(server.wait_ready)
@@ -139,7 +151,10 @@ class VLLMReplica:
         """Requests it runs or queues, from vLLM's ``/metrics`` (its queued prefill
         tokens it does not say)."""
         url = await self.url()
-        text = await asyncio.to_thread(lambda: httpx.get(f"{url}/metrics", timeout=5).text)
+        headers = bearer(self.fleet_token)
+        text = await asyncio.to_thread(
+            lambda: httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
+        )
         return FleetLoad(vllm_requests_in_engine(text), 0)
 
     async def stop(self) -> None:

@@ -51,11 +51,12 @@ class FleetScaler:
         gateway_url: str,
         actor_options: dict[str, Any] | None = None,
         admin_key: str | None = None,
+        fleet_token: str = "",
     ) -> None:
         """``engines``: the fleet's, whose roles are its pools (a new replica of a pool
         runs its first engine); ``actor_options``: how a new replica actor is placed
-        (Ray's ``options``)."""
-        self.config, self.host = config, host
+        (Ray's ``options``); ``fleet_token``: what the replicas it starts ask of callers."""
+        self.config, self.host, self.fleet_token = config, host, fleet_token
         self.gateway_url, self.admin_key = gateway_url, admin_key
         self.actor_options = actor_options or {"num_cpus": 0}
         self.pools: dict[str, EngineSpec] = {}
@@ -125,7 +126,9 @@ class FleetScaler:
         fresh = [name for name in names if name not in taken][:count]
         engine = self.pools[role]
         handles = [
-            replica_actor(engine).options(name=name, **self.actor_options).remote(engine, self.host)
+            replica_actor(engine)
+            .options(name=name, **self.actor_options)
+            .remote(engine, self.host, self.fleet_token)
             for name in fresh
         ]
         self._started.update(zip(fresh, handles, strict=True))
@@ -186,10 +189,11 @@ def start_scaler(
     gateway_url: str,
     replica_options: dict[str, Any] | None = None,
     detached: bool = False,
+    fleet_token: str = "",
 ) -> Any:
     """The fleet's scaler actor, running (deploy/scaler.py), placing new replicas with
-    ``replica_options``; an admin key for the gateway's cache values, where keys are
-    configured, from ``$PREFIX_ROUTER_ADMIN_KEY``."""
+    ``replica_options`` (answering only ``fleet_token``); an admin key for the
+    gateway's cache values, where keys are configured, from ``$PREFIX_ROUTER_ADMIN_KEY``."""
     lifetime = {"lifetime": "detached"} if detached else {}
     scaler = FleetScalerActor.options(name=SCALER_NAME, num_cpus=0, **lifetime).remote(
         config,
@@ -198,5 +202,6 @@ def start_scaler(
         gateway_url,
         replica_options,
         os.environ.get("PREFIX_ROUTER_ADMIN_KEY"),
+        fleet_token,
     )
     return scaler

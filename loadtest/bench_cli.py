@@ -38,6 +38,7 @@ from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig, workload_kind, workload_usage
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES, SIM
+from replica.api.fleet_token import fleet_token
 
 TABLE_KEYS = (
     "label",
@@ -118,6 +119,14 @@ class BenchOptions:
         metadata=helped(
             "any gateway or OpenAI-compatible server; several: requests spread at random",
             metavar="URL[,URL...]",
+        ),
+    )
+    fleet_token_file: str = field(
+        default="",
+        metadata=helped(
+            "with --gateway: the token the replicas ask of callers (the bench reads and "
+            "empties them), in a file; default: $PREFIX_ROUTER_FLEET_TOKEN",
+            metavar="FILE",
         ),
     )
     replicas: int = field(default=4, metadata=helped("embedded deployment's replicas (default: 4)"))
@@ -251,9 +260,9 @@ def run_bench(args: argparse.Namespace) -> int:
         slo_itl_s=args.slo_itl_s,
     )
     out = Path(args.out)
-    with _target(args) as (gateways, description):
+    with _target(args) as (gateways, description, token):
         print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)
-        rows, fleet, timelines = bench.compare(config, gateways, out)
+        rows, fleet, timelines = bench.compare(config, gateways, out, token)
     meta = {
         "seed": config.seed,
         "command": command_line(),
@@ -280,13 +289,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
+def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str, str]]:
+    """The gateways' URLs, what they are, and the fleet's token (its replicas ask it)."""
     if args.gateway:
         urls = [url.rstrip("/") for url in args.gateway.split(",") if url]
-        yield urls, f"{_gateways_text(urls)}"
+        yield urls, f"{_gateways_text(urls)}", fleet_token(args.fleet_token_file)
     elif args.address:
-        urls = bench.cluster_gateways(args.address)
-        yield urls, f"Ray cluster {args.address}, {_gateways_text(urls)}"
+        urls, token = bench.cluster_gateways(args.address)
+        yield urls, f"Ray cluster {args.address}, {_gateways_text(urls)}", token
     else:
         flags = _serve_flags(args)
         count = sum(parse_entry(e).replicas for e in args.fleet) if args.fleet else args.replicas
@@ -297,11 +307,11 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
             f"bench: starting {count} {args.engine} replicas, {args.gateways} gateway(s)…",
             file=sys.stderr,
         )
-        with bench.embedded(count, flags, args.gateways) as urls:
+        with bench.embedded(count, flags, args.gateways) as (urls, token):
             engine = "" if args.engine == SIM.name else f"{args.engine} "
             models = f" ({', '.join(args.fleet)})" if args.fleet else ""
             replicas = f"{count} {engine}replicas{models}"
-            yield urls, f"embedded deployment, {replicas}, {_gateways_text(urls)}"
+            yield urls, f"embedded deployment, {replicas}, {_gateways_text(urls)}", token
 
 
 def _gateways_text(urls: list[str]) -> str:
@@ -315,6 +325,13 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     replicas' (the user's, else the bench's sizes for its chat workload; traces get what
     the profile's hardware holds); then the user's own."""
     more = [*_fleet_flags(args), *shell_words(args.serve_arg)]
+    if vllm_router.LABEL in args.policies.split(","):
+        # vLLM's router in P/D mode sends its workers no credential
+        print(
+            f"bench: {vllm_router.LABEL} sends no credential: the replicas answer anyone",
+            file=sys.stderr,
+        )
+        more.append("--open-replicas")
     if ENGINES[args.engine].loads_model:
         if args.model == BenchConfig().model:
             raise ValueError(

@@ -83,6 +83,13 @@ def add_options(parser: Any) -> None:
     group.add_argument(
         "--results-file", default="", env_var="PR_RESULTS_FILE", help="client figures as JSON"
     )
+    group.add_argument(
+        "--api-key",
+        default="",
+        env_var="PR_API_KEY",
+        help="sent as a bearer token with every request (a gateway's API key; a router "
+        "that asks its clients for the fleet's token)",
+    )
     # The chat workload's parameters, as ``prefix-router replay`` takes them.
     add_config_flags(parser, ChatConfig, prefix="chat-", skip=("seed",), env_prefix="PR_CHAT_")
 
@@ -239,7 +246,9 @@ class ChatSessionUser(HttpUser):
         """One turn, naming the session's model or adapter (else ``--model``)."""
         options = self.environment.parsed_options
         path, name, body = _request(turn, session.served_name or options.model)
-        headers = {SESSION_HEADER: session.session_id} if options.session_keys else None
+        headers = {SESSION_HEADER: session.session_id} if options.session_keys else {}
+        if options.api_key:
+            headers["authorization"] = f"Bearer {options.api_key}"
         sent = time.time()  # wall clock: the bench's samples of the fleet use it too
         start = time.perf_counter()
         with self.client.post(

@@ -42,9 +42,12 @@ class SGLangRouterConfig:
             raise ValueError("startup_timeout_s and stop_timeout_s must be positive")
 
 
-def command(workers: Sequence[str], port: int, config: SGLangRouterConfig) -> list[str]:
+def command(
+    workers: Sequence[str], port: int, config: SGLangRouterConfig, api_key: str = ""
+) -> list[str]:
     # Its Prometheus exporter listens on 29000 unless told: a free port, so that two
-    # routers (or another user's) never collide.
+    # routers (or another user's) never collide. ``api_key``: what it sends its workers
+    # as a bearer token, and asks of its own clients (SGLang's router has one key).
     return [
         sys.executable,
         "-m",
@@ -61,16 +64,21 @@ def command(workers: Sequence[str], port: int, config: SGLangRouterConfig) -> li
         config.log_level,
         "--prometheus-port",
         str(free_port()),
+        *(["--api-key", api_key] if api_key else []),
     ]
 
 
 @contextlib.contextmanager
 def sglang_router(
-    workers: Sequence[str], config: SGLangRouterConfig | None = None, log: Path | None = None
+    workers: Sequence[str],
+    config: SGLangRouterConfig | None = None,
+    log: Path | None = None,
+    api_key: str = "",
 ) -> Iterator[str]:
-    """Start SGLang's router over ``workers``, yield its URL once its ``/readiness``
-    counts every worker healthy (it sends no request to a worker, so the caches stay
-    as they were), and stop it on the way out, failures included."""
+    """Start SGLang's router over ``workers`` (that ask ``api_key`` of callers), yield
+    its URL once its ``/readiness`` counts every worker healthy (it sends no request to
+    a worker, so the caches stay as they were), and stop it on the way out, failures
+    included."""
     config = config or SGLangRouterConfig()
     port = free_port()
 
@@ -79,7 +87,7 @@ def sglang_router(
 
     with router_process(
         "SGLang's router",
-        command(workers, port, config),
+        command(workers, port, config, api_key),
         f"http://127.0.0.1:{port}",
         ready,
         "/readiness",

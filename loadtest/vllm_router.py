@@ -37,10 +37,15 @@ class VLLMRouterConfig:
 
 
 def command(
-    prefill: Sequence[str], decode: Sequence[str], port: int, config: VLLMRouterConfig
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    port: int,
+    config: VLLMRouterConfig,
+    api_key: str = "",
 ) -> list[str]:
     """Its command line; its Prometheus exporter on a free port, its workers checked
-    every second at start (its default waits 30 s between checks)."""
+    every second at start (its default waits 30 s between checks); ``api_key``: what
+    its workers ask of callers."""
     workers = [arg for url in prefill for arg in ("--prefill", url)]
     workers += [arg for url in decode for arg in ("--decode", url)]
     return [
@@ -61,6 +66,7 @@ def command(
         config.log_level,
         "--prometheus-port",
         str(free_port()),
+        *(["--api-key", api_key] if api_key else []),
     ]
 
 
@@ -70,6 +76,7 @@ def vllm_router(
     decode: Sequence[str],
     config: VLLMRouterConfig | None = None,
     log: Path | None = None,
+    api_key: str = "",
 ) -> Iterator[str]:
     """Start vLLM's router over the ``prefill`` and ``decode`` replicas; its URL once
     its ``/readiness`` says ready, stopped on the way out."""
@@ -83,7 +90,7 @@ def vllm_router(
 
     with router_process(
         "vLLM's router",
-        command(prefill, decode, port, config),
+        command(prefill, decode, port, config, api_key),
         f"http://127.0.0.1:{port}",
         ready,
         "/readiness",

@@ -7,6 +7,7 @@ import logging
 
 import aiohttp
 
+from replica.api.fleet_token import bearer
 from replica.api.kv_params import RemotePrefill
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,9 @@ LEND_TIMEOUT_S = 2.0
 class Peers:
     """The replica's calls to its peers' ``POST /kv/lend``."""
 
-    def __init__(self) -> None:
+    def __init__(self, fleet_token: str = "") -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._headers = bearer(fleet_token)  # a peer answers only its fleet
 
     async def lend(
         self, prefill: RemotePrefill, lease_id: str, hashes: list[int], hold_s: float
@@ -27,7 +29,7 @@ class Peers:
         """Blocks the peer pins under ``lease_id`` for ``hold_s`` of its time (0 if it
         cannot, or cannot be reached)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self._headers)
         body = {"lease_id": lease_id, "block_hashes": hashes, "hold_s": hold_s}
         timeout = aiohttp.ClientTimeout(total=LEND_TIMEOUT_S)
         try:

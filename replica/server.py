@@ -5,7 +5,9 @@ SSE or not), ``POST /tokenize`` (vLLM's), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's metric names), ``GET /kv_events?since=SEQ``, ``POST /reset``,
 ``GET /stats``, and the ``/get_model_info``, ``/get_server_info`` and ``/get_load``
 probes of SGLang's router. Each handler translates HTTP into a call of the app's
-:class:`~replica.service.Replica` (``request.app.state.replica``).
+:class:`~replica.service.Replica` (``request.app.state.replica``). Given the fleet's
+token, every endpoint but ``/health`` answers only requests that carry it
+(replica/api/fleet_token.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import BaseModel, Field
 from replica.api import openai as api
 from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
+from replica.api.fleet_token import FleetTokenGuard
 from replica.api.kv_events import encode_page
 from replica.service import Replica
 
@@ -30,12 +33,15 @@ routes = APIRouter()
 
 
 def create_app(
-    config: ReplicaConfig | None = None, kv_events_host: str | None = "127.0.0.1"
+    config: ReplicaConfig | None = None,
+    kv_events_host: str | None = "127.0.0.1",
+    fleet_token: str = "",
 ) -> FastAPI:
     """The replica's ASGI app; its engine loop starts and stops with the app, and so
     does the publisher of its KV events on ZMQ, bound to ``kv_events_host`` (``None``:
-    no publisher; the events stay at ``GET /kv_events``)."""
-    replica = Replica(config or ReplicaConfig())
+    no publisher; the events stay at ``GET /kv_events``). ``fleet_token``: what its
+    callers (and it, calling its peers) must carry; empty: it answers anyone."""
+    replica = Replica(config or ReplicaConfig(), fleet_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,6 +54,8 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.add_exception_handler(api.Rejected, _rejected)  # type: ignore[arg-type]
     app.include_router(routes)
+    if fleet_token:
+        app.add_middleware(FleetTokenGuard, token=fleet_token)
     return app
 
 

@@ -38,7 +38,7 @@ PULL_MARGIN_S = 1.0
 class Replica:
     """An engine, the loop that steps it in real time, and the replica's counters."""
 
-    def __init__(self, config: ReplicaConfig) -> None:
+    def __init__(self, config: ReplicaConfig, fleet_token: str = "") -> None:
         self.config = config
         tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         self.engine = Engine(EngineConfig.for_replica(config), tokenizer=tokenizer)
@@ -47,7 +47,7 @@ class Replica:
         self.publisher: KVPublisher | None = None
         self.requests = 0  # accepted since the last reset
         self.errors = 0  # refused since the last reset
-        self.peers = Peers()
+        self.peers = Peers(fleet_token)
         self.pull_fallbacks = 0
 
     async def answer(

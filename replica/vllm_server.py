@@ -4,7 +4,9 @@ A vLLM replica is vLLM's own server (``python -m vllm.entrypoints.openai.api_ser
 started as a child process with the flags a router needs: its KV events published on
 ZMQ in vLLM's format (bound on all interfaces, as vLLM binds only a wildcard or ipc
 endpoint), ``cached_tokens`` in every answer's usage, and its development endpoints
-(``/reset_prefix_cache``, which the bench uses between runs). On vLLM's CPU build it
+(``/reset_prefix_cache``, which the bench uses between runs), and, given the fleet's
+token, vLLM's ``--api-key`` (which guards ``/v1`` alone) and our guard on every other
+path but ``/health`` (replica/api/fleet_token.py). On vLLM's CPU build it
 also gets what a small replica on a shared machine needs (see :data:`CPU_DEFAULTS`).
 Flags the user passes (``--engine-arg``, as vLLM names them) come last, so they win.
 
@@ -35,6 +37,7 @@ import httpx
 
 from replica.api.card import EngineCard, vllm_card
 from replica.api.config import ROLES
+from replica.api.fleet_token import ENV_FLEET_TOKEN, FleetTokenGuard, bearer
 from replica.api.stats import KVEventsEndpoint
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,9 @@ CPU_DEFAULTS = (
 #: The CPU build's environment: threads left unpinned (pinned, several servers on one
 #: machine fight for the same cores).
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: The fleet token's guard, as vLLM's ``--middleware`` names it (vLLM's own ``--api-key``
+#: leaves every path outside ``/v1`` open: ``/tokenize``, ``/metrics``, dev endpoints).
+GUARD_MIDDLEWARE = f"{FleetTokenGuard.__module__}.{FleetTokenGuard.__name__}"
 #: What runs vLLM: a small guard in the server's process group, on the server's cores.
 #: vLLM's server is several processes (its API server, its engine core, the CPU build's
 #: worker), and a crash of the first leaves the others holding the ports and the memory.
@@ -162,8 +168,9 @@ def vllm_installed() -> bool:
 class VLLMServer:
     """One vLLM server process on ``host`` (see the module docstring)."""
 
-    def __init__(self, config: VLLMConfig, host: str, ports: Ports) -> None:
+    def __init__(self, config: VLLMConfig, host: str, ports: Ports, fleet_token: str = "") -> None:
         self.config, self.host, self.ports = config, host, ports
+        self.fleet_token = fleet_token
         self.url = f"http://{host}:{ports.http}"
         self.kv_events = KVEventsEndpoint(
             f"tcp://{host}:{ports.kv_events}", f"tcp://{host}:{ports.replay}", KV_TOPIC
@@ -196,6 +203,7 @@ class VLLMServer:
             json.dumps(events),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
+            *(["--middleware", GUARD_MIDDLEWARE] if self.fleet_token else []),
             *(CPU_DEFAULTS if cpu_build() else ()),
             *self.config.engine_args,
         ]
@@ -208,6 +216,9 @@ class VLLMServer:
         if self.config.dev_mode:
             log.warning("vLLM server %s runs in dev mode (for /reset_prefix_cache)", self.url)
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.pop(ENV_FLEET_TOKEN, None)  # its guard's token is this server's, or none
+        if self.fleet_token:  # in the environment, not on a command line others can read
+            env |= {"VLLM_API_KEY": self.fleet_token, ENV_FLEET_TOKEN: self.fleet_token}
         env |= {
             "TMPDIR": str(workdir / "tmp"),
             "VLLM_CACHE_ROOT": str(SHARED_CACHE),
@@ -286,7 +297,7 @@ class VLLMServer:
     def card(self, timeout_s: float = 5.0) -> EngineCard:
         """What the running server says of itself (block size and pool from its
         ``/metrics``, its model from ``/v1/models``)."""
-        with httpx.Client(timeout=timeout_s) as client:
+        with httpx.Client(timeout=timeout_s, headers=bearer(self.fleet_token)) as client:
             metrics = client.get(f"{self.url}/metrics").text
             models = client.get(f"{self.url}/v1/models").json().get("data", [])
         pid = self.process.pid if self.process else None

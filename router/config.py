@@ -96,6 +96,9 @@ class GatewayConfig:
     #: The fleet's secret that tenants' salts are keyed with (router/fair/tenants.py):
     #: a file holding it, else ``$PREFIX_ROUTER_FLEET_SECRET`` (serve and up give one).
     fleet_secret_file: str = ""
+    #: The token the replicas ask of their callers (replica/api/fleet_token.py): a file
+    #: holding it, else ``$PREFIX_ROUTER_FLEET_TOKEN`` (serve and up give one).
+    fleet_token_file: str = ""
     #: Where a request's session key is read: a header's name, or ``user`` (the
     #: request's ``user`` field); empty: nowhere. Routers that learn from their own
     #: decisions send a session's turns to one replica by it (cache_aware).

@@ -29,6 +29,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
+from replica.api.fleet_token import bearer
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
 from replica.api.tokenizer import Tokenizer
 from router.config import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
@@ -56,7 +57,8 @@ from router.stats import GatewayStats, HotSetStats
 class Gateway:
     """One gateway's routing state and its request path. ``client``: the pooled session
     for the backends' health, statistics and events; ``upstream``: the request path's
-    kept-alive client (by default, one with the config's timeouts)."""
+    kept-alive client (by default, one with the config's timeouts, carrying
+    ``fleet_token``, that replicas ask of their callers: replica/api/fleet_token.py)."""
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class Gateway:
         keys: ApiKeys | None = None,
         upstream: Client | None = None,
         secret: bytes = b"",
+        fleet_token: str = "",
     ) -> None:
         self.config = config
         #: The fleet's secret that tenants' salts are keyed with (router/fair/tenants.py).
@@ -90,7 +93,8 @@ class Gateway:
         )
         # The request path's stages, in the order a request walks them.
         self.keys = keys or ApiKeys({})
-        self.upstream = upstream or Client(timeouts(config))
+        # the fleet's token on every request: replicas answer only their fleet
+        self.upstream = upstream or Client(timeouts(config), bearer(fleet_token))
         self.resolver, self.admitter, self.placer, self.dispatcher = self._stages(fair)
 
     def _pool(self, client: aiohttp.ClientSession) -> BackendPool:

@@ -20,6 +20,7 @@ import psutil
 from deploy import processes
 from deploy.processes import free_port
 from replica.api import stats as stats_codec
+from replica.api.fleet_token import bearer
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import TOKEN_DTYPE
 from replica.vllm_server import WORK_PREFIX, Ports, VLLMConfig, VLLMServer, cores_of
@@ -66,8 +67,10 @@ def gateway_stats(url: str, key: str | None = None) -> GatewayStats:
     return stats_codec.decode(GatewayStats, httpx.get(f"{url}/stats", headers=headers).content)
 
 
-def replica_stats(url: str) -> ReplicaStats:
-    return stats_codec.decode(ReplicaStats, httpx.get(f"{url}/stats").content)
+def replica_stats(url: str, token: str = "") -> ReplicaStats:
+    """One of our replicas' ``/stats`` (``token``: the fleet's, where it asks one)."""
+    answer = httpx.get(f"{url}/stats", headers=bearer(token))
+    return stats_codec.decode(ReplicaStats, answer.content)
 
 
 def wait_until_checked(
@@ -213,14 +216,18 @@ def leaves_no_vllm_behind(timeout_s: float = 30.0) -> Iterator[None]:
 
 @contextlib.contextmanager
 def logged_process(
-    command: list[str], log: Path, ready_s: float = 60.0, stop_s: float = 30.0
+    command: list[str],
+    log: Path,
+    ready_s: float = 60.0,
+    stop_s: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``prefix-router COMMAND`` on a free port, its stderr (its log) to ``log``: its URL
-    once it answers, and its process; stopped (SIGINT, then a kill after ``stop_s``)
-    however the caller ends."""
+    """``prefix-router COMMAND`` on a free port (``env`` added to its environment), its
+    stderr (its log) to ``log``: its URL once it answers, and its process; stopped
+    (SIGINT, then a kill after ``stop_s``) however the caller ends."""
     port = free_port()
     with open(log, "w") as output:
-        process = processes.start(command, port, stderr=output)
+        process = processes.start(command, port, stderr=output, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         processes.wait_until(url, process, timeout_s=ready_s)
@@ -277,12 +284,12 @@ async def awaited(condition: Callable[[], object], timeout_s: float = 20.0, what
         await asyncio.sleep(0.02)
 
 
-def indexed(stats: GatewayStats) -> bool:
+def indexed(stats: GatewayStats, token: str = "") -> bool:
     """The gateway has backends, and its index holds every KV event each of them
-    published so far."""
+    published so far (``token``: the fleet's, where the replicas ask it)."""
     return bool(stats.backends) and all(
         b.kv_stream is not None
-        and b.kv_stream.indexed_through == replica_stats(b.url).kv_event_batches
+        and b.kv_stream.indexed_through == replica_stats(b.url, token).kv_event_batches
         for b in stats.backends
     )
 

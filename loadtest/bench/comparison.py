@@ -17,17 +17,18 @@ from loadtest.bench.targets import Fleet, discover
 from loadtest.report import Row
 from loadtest.timeline import Timeline
 from loadtest.workloads import Workload
+from replica.api.fleet_token import bearer
 
 
 def compare(
-    config: BenchConfig, gateways: list[str], out: Path
+    config: BenchConfig, gateways: list[str], out: Path, fleet_token: str = ""
 ) -> tuple[list[Row], Fleet, dict[str, Timeline]]:
-    """Every policy in turn against ``gateways``; one row each, with the replay's view,
-    and each run's timeline."""
+    """Every policy in turn against ``gateways`` (whose replicas ask ``fleet_token`` of
+    callers); one row each, with the replay's view, and each run's timeline."""
     out.mkdir(parents=True, exist_ok=True)
     workload = config.load()
-    with httpx.Client(timeout=30.0) as client:
-        fleet = discover(client, gateways)
+    with httpx.Client(timeout=30.0, headers=bearer(fleet_token)) as client:
+        fleet = discover(client, gateways, fleet_token)
         check_target(config, fleet)
         announce(fleet)
         rows, timelines = [], {}
@@ -89,7 +90,8 @@ def run_behind_sglang(
     this row and stopped after it (an error included)."""
     workers = list(fleet.replicas)
     print(f"bench: starting SGLang's router in front of {len(workers)} replicas…", file=sys.stderr)
-    with sglang.sglang_router(workers, log=out / f"{sglang.LABEL}.log") as router:
+    log = out / f"{sglang.LABEL}.log"
+    with sglang.sglang_router(workers, log=log, api_key=fleet.token) as router:
         return run_policy(client, config, fleet.behind(router), sglang.LABEL, workload, out)
 
 
@@ -105,5 +107,5 @@ def run_behind_vllm_router(
         file=sys.stderr,
     )
     log = out / f"{vllm_router.LABEL}.log"
-    with vllm_router.vllm_router(prefill, decode, log=log) as router:
+    with vllm_router.vllm_router(prefill, decode, log=log, api_key=fleet.token) as router:
         return run_policy(client, config, fleet.behind(router), vllm_router.LABEL, workload, out)

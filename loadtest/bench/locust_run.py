@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from loadtest.bench.config import BenchConfig
 from loadtest.bench.targets import Fleet, engine_figures, gateway_stats, replica_stats
 from loadtest.timeline import Timeline
 from loadtest.workloads import ChatConfig, workload_kind
+from replica.api.fleet_token import bearer
 from replica.api.stats import ReplicaStats
 
 LOCUSTFILE = Path(__file__).parent.parent / "locustfile.py"
@@ -73,10 +75,14 @@ def run_locust(
     with (
         open(log, "w") as output,
         tqdm(total=total, desc=label, unit="req", disable=not config.progress) as bar,
-        httpx.Client(timeout=5.0) as client,
+        httpx.Client(timeout=5.0, headers=bearer(fleet.token)) as client,
     ):
         process = subprocess.Popen(
-            locust_command(config, fleet.gateways, prefix), stdout=output, stderr=output
+            locust_command(config, fleet.gateways, prefix),
+            stdout=output,
+            stderr=output,
+            # the key in the environment, not on a command line others can read
+            env={**os.environ, "PR_API_KEY": fleet.api_key},
         )
         seen = _dispatched(client, fleet)
         while process.poll() is None:

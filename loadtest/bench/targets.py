@@ -5,10 +5,11 @@ any engine's counters through its ``/metrics``."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -18,6 +19,7 @@ from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
 from replica.api.engines import read_figures
 from replica.api.figures import EngineFigures
+from replica.api.fleet_token import ENV_FLEET_TOKEN
 from replica.api.stats import ReplicaStats
 from replica.api.tokenizer import DEFAULT_TOKENIZER
 from router.stats import GatewayStats
@@ -26,13 +28,15 @@ from router.stats import GatewayStats
 @contextlib.contextmanager
 def embedded(
     replicas: int, serve_flags: Sequence[str] = (), gateways: int = 1, timeout_s: float = 600.0
-) -> Iterator[list[str]]:
+) -> Iterator[tuple[list[str], str]]:
     """``prefix-router serve`` (local Ray, N replica actors, gateways on consecutive
-    ports) for the bench; the gateways' URLs, once each has checked every replica."""
+    ports) for the bench; the gateways' URLs, once each has checked every replica, and
+    the fleet's token (the bench's own: it reads and empties the replicas)."""
     port = processes.free_ports(gateways)
     command = ["serve", "--replicas", str(replicas), "--gateways", str(gateways)]
     command += ["--separate-ports", *serve_flags]
-    process = processes.start(command, port)
+    token = secrets.token_urlsafe(32)
+    process = processes.start(command, port, env={ENV_FLEET_TOKEN: token})
     urls = [f"http://127.0.0.1:{port + i}" for i in range(gateways)]
 
     def ready(answer: httpx.Response) -> bool:
@@ -42,25 +46,29 @@ def embedded(
     try:
         for url in urls:
             processes.wait_until(url, process, ready, path="/stats", timeout_s=timeout_s)
-        yield urls
+        yield urls, token
     finally:
         processes.stop(process)
 
 
-def cluster_gateways(address: str) -> list[str]:
-    """The URLs of the gateways ``prefix-router up`` deployed on the cluster at ``address``."""
+def cluster_gateways(address: str) -> tuple[list[str], str]:
+    """The URLs of the gateways ``prefix-router up`` deployed on the cluster at
+    ``address``, and the fleet's token (from them, through Ray)."""
     import ray
 
     from deploy import cluster
+    from deploy.gateways import running_credentials
 
     cluster.connect(address)
     try:
         gateways, _ = cluster.status()
+        credentials = running_credentials()
     finally:
         ray.shutdown()
-    if not gateways:
+    if not gateways or credentials is None:
         raise ValueError(f"no prefix-router gateway on the cluster at {address}: run `up` first")
-    return sorted({row.url for row in gateways})  # gateways sharing a node's port: one URL
+    # gateways sharing a node's port: one URL
+    return sorted({row.url for row in gateways}), credentials.token
 
 
 @dataclass
@@ -72,6 +80,11 @@ class Fleet:
     gateways: list[str]
     stats: GatewayStats | None
     replicas: dict[str, ReplicaConfig | None]
+    #: The fleet's token, that its replicas ask of callers (empty: none).
+    token: str = field(default="", repr=False)
+    #: What the target asks of clients as a bearer token: another router started in
+    #: front of the replicas with the fleet's token (``--api-key``) asks for it too.
+    api_key: str = field(default="", repr=False)
 
     @property
     def gateway(self) -> str:
@@ -82,8 +95,9 @@ class Fleet:
         return self.stats is not None
 
     def behind(self, router: str) -> Fleet:
-        """The same replicas, reached through another router (which we cannot switch)."""
-        return Fleet([router], None, self.replicas)
+        """The same replicas, reached through another router (which we cannot switch),
+        that holds the fleet's token and asks it of its clients."""
+        return Fleet([router], None, self.replicas, self.token, api_key=self.token)
 
     def replay_config(self, profile: str = "") -> ReplayConfig | None:
         """The simulated twin of the fleet: the same engines, routed with the very knobs
@@ -163,15 +177,19 @@ def _models_fleet(models: list[str]) -> str:
     return ",".join(f"{m}={n}" for m, n in counts.items()) if len(counts) > 1 else ""
 
 
-def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0) -> Fleet:
+def discover(
+    client: httpx.Client, gateways: list[str], token: str = "", checks_s: float = 120.0
+) -> Fleet:
     """What the target is; our gateways once they have checked every replica (a check's
-    canary prompt, answered during a run, would count in it)."""
+    canary prompt, answered during a run, would count in it). ``token``: the fleet's
+    (``client`` carries it)."""
     for url in gateways:
         check_reachable(client, url)
     every = [gateway_stats(client, url) for url in gateways]
     stats = every[0]
     if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
-        return Fleet(gateways, None, {url: _replica_config(client, url) for url in gateways})
+        replicas = {url: _replica_config(client, url) for url in gateways}
+        return Fleet(gateways, None, replicas, token, api_key=token)
     deadline = time.monotonic() + checks_s
     while any(b.routing_mode == "checking" for g in every if g for b in g.backends):
         if time.monotonic() > deadline:
@@ -181,7 +199,7 @@ def discover(client: httpx.Client, gateways: list[str], checks_s: float = 120.0)
         every = [gateway_stats(client, url) for url in gateways]
     stats = every[0] or stats
     urls = [b.url for b in stats.backends]
-    return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls})
+    return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls}, token)
 
 
 def check_reachable(client: httpx.Client, url: str) -> None:

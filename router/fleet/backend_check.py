@@ -37,6 +37,7 @@ import numpy as np
 
 from replica.api.card import EngineCard
 from replica.api.chat_variables import tokenize_variables
+from replica.api.fleet_token import ENV_FLEET_TOKEN
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE, WORDS, Message, Tokenizer
@@ -147,15 +148,17 @@ class BackendCheck:
             return Verdict(False, reason)
         unsaid = "block size (the engine does not say it; its events' blocks are checked)"
         said = unsaid if engine_block_size is None else None
-        reason, skipped = await self.tokenizer_difference(
-            url, model, card.tokenizer if card else None
-        )
-        if reason:
-            return Verdict(False, reason)
         watch = CanaryWatch(EventKeys(self.model, self.block_size, self.stride))
-        attach(watch)
         try:
+            reason, skipped = await self.tokenizer_difference(
+                url, model, card.tokenizer if card else None
+            )
+            if reason:
+                return Verdict(False, reason)
+            attach(watch)
             reason, refused = await self.canary(url, model, watch, catch_up)
+        except NotOfItsFleet as error:
+            return Verdict(False, str(error))
         finally:
             attach(None)
         skips = tuple(s for s in (said, skipped, refused) if s)
@@ -226,6 +229,7 @@ class BackendCheck:
         ) as response:
             if response.status in (404, 405):
                 return None
+            _check_credential(response.status)
             response.raise_for_status()
             tokens = (await response.json()).get("tokens")
         return [int(t) for t in tokens] if isinstance(tokens, list) else None
@@ -261,6 +265,7 @@ class BackendCheck:
             timeout=aiohttp.ClientTimeout(total=self.answer_timeout_s),
         ) as response:
             await response.read()
+            _check_credential(response.status)
             if response.status != 200:  # nothing learned, nothing held against it
                 return None, f"events (the engine answered the canary with {response.status})"
         clock = asyncio.get_running_loop().time
@@ -295,6 +300,21 @@ class BackendCheck:
             f"a canary prompt ({found} of {len(expected)} found): another engine's events "
             "(check the backend's kv= endpoint), a cache salt or LoRA adapter, or tokens "
             "other than the prompt's"
+        )
+
+
+class NotOfItsFleet(Exception):
+    """The backend refused the gateway's requests for want of a credential."""
+
+
+def _check_credential(status: int) -> None:
+    """Raise :class:`NotOfItsFleet` for a 401 or 403: no check can be made, and no
+    request of the gateway's will be answered either, so the operator must hear why."""
+    if status in (401, 403):
+        raise NotOfItsFleet(
+            f"it refuses the gateway's requests ({status}): it asks a fleet token the "
+            f"gateway does not carry; give the gateway the replicas' token "
+            f"(--fleet-token-file or ${ENV_FLEET_TOKEN})"
         )
 
 

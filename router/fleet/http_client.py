@@ -21,7 +21,7 @@ import asyncio
 import collections
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -198,28 +198,36 @@ class _Connection(asyncio.Protocol):
 
 
 @functools.lru_cache(maxsize=4096)
-def _target(url: str) -> tuple[tuple[str, int], bytes]:
-    """Where ``url`` is, and the head of a POST to it up to its content length: the
-    same few backend URLs every request, so parsed once each."""
+def _target(url: str, headers: bytes) -> tuple[tuple[str, int], bytes]:
+    """Where ``url`` is, and the head of a POST to it up to its content length (with
+    the client's own ``headers`` lines): the same few backend URLs every request, so
+    parsed once each."""
     parts = urlsplit(url)
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     head = (
-        f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
-        "content-type: application/json\r\ncontent-length: "
-    ).encode("latin-1")
+        (f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n").encode("latin-1")
+        + headers
+        + b"content-type: application/json\r\ncontent-length: "
+    )
     return (parts.hostname or "127.0.0.1", parts.port or 80), head
 
 
 class Client:
-    """Kept-alive connections to every backend, for POSTing JSON bodies."""
+    """Kept-alive connections to every backend, for POSTing JSON bodies; ``headers``
+    go with every request (the fleet's token)."""
 
-    def __init__(self, timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self, timeouts: Timeouts | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
         self.timeouts = timeouts or Timeouts()
+        self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode(
+            "latin-1"
+        )
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
     async def post(self, url: str, body: bytes) -> Response:
         """POST ``body`` (JSON) to ``url``; the answer's head has arrived on return."""
-        (host, port), head = _target(url)
+        (host, port), head = _target(url, self._headers)
         request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         deadline = time.monotonic() + self.timeouts.total_s
         pool = self._idle.setdefault((host, port), [])

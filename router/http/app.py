@@ -27,6 +27,8 @@ from starlette.types import Receive, Scope, Send
 
 from replica.api import openai as api
 from replica.api import stats as stats_codec
+from replica.api.fleet_token import bearer
+from replica.api.fleet_token import fleet_token as read_fleet_token
 from replica.api.stats import KVEventsEndpoint
 from router.config import GatewayConfig
 from router.fair.tenants import ENV_FLEET_SECRET, ApiKeys, Unauthorized, fleet_secret
@@ -66,16 +68,20 @@ def create_app(
     backends: list[str] | tuple[str, ...] = (),
     ray_replica_prefix: str | None = None,
     secret: bytes | None = None,
+    fleet_token: str | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app, routing to ``backends`` (more can be added at run time)
     and, given ``ray_replica_prefix``, to the replica actors of the current Ray
     namespace whose names start with it (Ray must be initialised). ``secret``: the
-    fleet's, that tenants' salts are keyed with (else the config's file, or the
+    fleet's, that tenants' salts are keyed with; ``fleet_token``: what the replicas
+    ask of their callers (each, if not given: the config's file, else the
     environment's)."""
     config = config or GatewayConfig()
     keys = ApiKeys.load(config.api_keys_file or None)
     if secret is None:
         secret = fleet_secret(config.fleet_secret_file)
+    if fleet_token is None:
+        fleet_token = read_fleet_token(config.fleet_token_file)
     if keys.enabled and not secret:
         log.warning(
             "tenants' cache salts are unkeyed: whoever reaches a replica can compute "
@@ -85,8 +91,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _client(config) as client:
-            gateway = app.state.gateway = Gateway(config, client, keys, secret=secret)
+        async with _client(config, fleet_token) as client:
+            gateway = app.state.gateway = Gateway(
+                config, client, keys, secret=secret, fleet_token=fleet_token
+            )
             app.state.metrics = GatewayMetrics(
                 gateway.accounting, gateway.pool, gateway.queue, gateway.tenant_footprint
             )
@@ -142,14 +150,17 @@ class GatewayApp(FastAPI):
         await response(scope, receive, send)
 
 
-def _client(config: GatewayConfig) -> aiohttp.ClientSession:
-    """One pooled session for the backends' health, statistics and events."""
+def _client(config: GatewayConfig, fleet_token: str) -> aiohttp.ClientSession:
+    """One pooled session for the backends' health, statistics and events (carrying
+    the fleet's token: the replicas answer only their fleet)."""
     timeout = aiohttp.ClientTimeout(
         total=config.upstream_timeout_s,
         connect=config.upstream_connect_timeout_s,
         sock_read=config.upstream_read_timeout_s,
     )
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), timeout=timeout)
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1024), timeout=timeout, headers=bearer(fleet_token)
+    )
 
 
 def _gateway(request: Request) -> Gateway:

@@ -65,9 +65,9 @@ async def chaos(url: str, victim: BackendStats, pid: int) -> tuple[list[int], di
 
 
 def test_killing_one_of_four_replica_actors_mid_load_loses_no_request():
-    with embedded(4, ["--replica-speedup", "1"]) as (url,):
+    with embedded(4, ["--replica-speedup", "1"]) as ((url,), token):
         victim = gateway_stats(url).backends[1]
-        pid = replica_stats(victim.url).pid
+        pid = replica_stats(victim.url, token).pid
         statuses, seen = asyncio.run(chaos(url, victim, pid))
         retries = gateway_stats(url).retries
         # Back, and taking traffic again: new conversations reach it.

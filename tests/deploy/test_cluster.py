@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from deploy import cluster
 from deploy.names import NAMESPACE
 from deploy.processes import free_port
 from replica.api.config import ReplicaConfig
+from replica.api.fleet_token import bearer
 from router.config import GatewayConfig
 from tests.deploy.test_autoscale import burst_then_trickle
 from tests.loadtest.test_bench import TINY, check_report
@@ -94,10 +96,18 @@ def test_up_status_scale_and_down_on_a_ray_start_cluster(head):
         (front,) = [line for line in status.stdout.splitlines() if line.startswith("gateway-0")]
         assert gateway in front and " ok " in front and front.split()[-2] == "2"  # requests
         first_url = lines[0].split()[2]
+        # the replicas answer only the fleet's token, which up made and wrote for its user
+        assert "fleet-token-up" in done.stdout
+        token = (Path.home() / ".prefix-router" / "fleet-token-up").read_text().strip()
+        assert httpx.get(f"{first_url}/stats").status_code == 401
+        assert httpx.get(f"{first_url}/stats", headers=bearer(token)).status_code == 200
 
         bigger = prefix_router("up", "--address", "auto", "--replicas", "3", "--port", str(port))
         assert bigger.returncode == 0, bigger.stderr
         assert first_url in bigger.stdout  # the replicas that stay keep their server (and cache)
+        # the new replica asks the running fleet's token, as the others do
+        status = prefix_router("status", "--address", "auto").stdout.splitlines()
+        assert sum(" ok " in line for line in status if line.startswith("replica-")) == 3
         smaller = prefix_router("up", "--address", "auto", "--replicas", "1", "--port", str(port))
         assert smaller.returncode == 0 and "1 replicas" in smaller.stdout
         for _ in range(50):
@@ -264,7 +274,9 @@ def test_replicas_and_two_gateways_spread_over_the_nodes_of_a_two_node_cluster()
         assert all(row.requests for row in gateways), gateways  # both served
         # one fleet secret for both (tenants' salts keyed alike), made by up, and kept
         # by a later up that adds a gateway to the fleet
-        secrets = {ray.get(ray.get_actor(f"gateway-{i}").fleet_secret.remote()) for i in (0, 1)}
+        secrets = {
+            ray.get(ray.get_actor(f"gateway-{i}").fleet_credentials.remote()).secret for i in (0, 1)
+        }
         assert len(secrets) == 1 and len(secrets.pop()) == 64
         assert cluster.down() == 4
     finally:

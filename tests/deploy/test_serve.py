@@ -1,21 +1,26 @@
 """`prefix-router serve`: a real local Ray, replica actors and the gateway, stopped by Ctrl-C."""
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from deploy.processes import free_port
+from replica.api.fleet_token import ENV_FLEET_TOKEN, bearer
 from tests.shared import gateway_stats, indexed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+TOKEN = "an-operators-fleet-token"
 
 
 def ray_processes() -> set[int]:
@@ -24,7 +29,9 @@ def ray_processes() -> set[int]:
 
 
 @contextlib.contextmanager
-def serving(*flags: str, until: str = "gateway: ") -> Iterator[tuple[str, subprocess.Popen]]:
+def serving(
+    *flags: str, until: str = "gateway: ", environment: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``prefix-router serve`` with two replicas, yielded once it prints its gateways'
     address (every gateway serves by then), as a user would paste the next command, or
     the line starting with ``until``; then Ctrl-C, which must end it with status 0 and
@@ -35,7 +42,9 @@ def serving(*flags: str, until: str = "gateway: ") -> Iterator[tuple[str, subpro
     serve = [sys.executable, "-m", "prefix_router", "serve", "--port", str(port)]
     command = [*serve, "--replicas", "2", "--replica-speedup", "20", *flags]
     with tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=environment
+        )
         try:
             assert process.stdout is not None
             while not (line := process.stdout.readline()).startswith(until):
@@ -61,6 +70,15 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
     with serving() as (url, _):  # the newcomer's path: the address, then a request
         backends = httpx.get(url + "/stats").json()["backends"]
         assert sorted(b["replica_id"] for b in backends) == ["replica-0", "replica-1"]
+        # the replicas answer only the fleet's token, which serve made and wrote for
+        # its user alone (and removes when it stops)
+        token_file = Path.home() / ".prefix-router" / f"fleet-token-{url.rsplit(':', 1)[1]}"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        replica = backends[0]["url"]
+        assert httpx.get(f"{replica}/stats").status_code == 401
+        assert httpx.get(f"{replica}/stats", headers=bearer(token)).status_code == 200
+        assert httpx.get(f"{replica}/health").status_code == 200
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         system = "Served by Ray actors. " * 50
         replies = [
@@ -72,6 +90,7 @@ def test_serve_answers_through_ray_replicas_and_stops_cleanly_on_ctrl_c():
             for q in ("first?", "second?")
         ]
         assert replies[1].usage.prompt_tokens_details.cached_tokens > 200
+    assert not token_file.exists()
 
 
 def test_ctrl_c_while_serve_starts_stops_it_as_cleanly():
@@ -86,7 +105,7 @@ def both_indexed(url: str, timeout_s: float = 10.0) -> None:
 
     def each() -> bool:
         stats = gateway_stats(url)
-        if indexed(stats):
+        if indexed(stats, TOKEN):
             caught_up.add(stats.pid)
         return len(caught_up) == 2
 
@@ -94,7 +113,9 @@ def both_indexed(url: str, timeout_s: float = 10.0) -> None:
 
 
 def test_serve_with_two_gateways_shares_one_port_between_two_processes():
-    with serving("--gateways", "2") as (url, process):
+    # the operator's token, given in the environment (serve makes one without it)
+    operators = {**os.environ, ENV_FLEET_TOKEN: TOKEN}
+    with serving("--gateways", "2", environment=operators) as (url, process):
         pids: set[int] = set()
         for _ in range(40):  # a new connection each time: the kernel spreads them
             stats = httpx.get(url + "/stats").json()

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from replica.api.cost_model import PROFILES
+from replica.api.fleet_token import ENV_FLEET_TOKEN, bearer
 from router.stats import BackendStats
 from tests.loadtest.test_bench import TINY_ON_A_CORE, bench, check_report
 from tests.shared import (
@@ -30,6 +31,19 @@ from tests.shared import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+
+TOKEN = "the-fleets-token"
+#: vLLM's endpoints a caller without the fleet's token is refused (dev mode's among them).
+GUARDED = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/tokenize"),
+    ("GET", "/metrics"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/load"),
+    ("GET", "/version"),
+]
 
 
 def api_server(process: psutil.Process) -> bool:
@@ -94,7 +108,7 @@ async def kill_mid_load(
     return statuses, removed
 
 
-def compare_routers(url: str, model: Path, out: Path) -> None:
+def compare_routers(url: str, model: Path, out: Path, token_file: Path) -> None:
     """`make demo-vllm` in small: round robin, SGLang's router and ours, each in front
     of the same two vLLM servers, hits counted by vLLM itself and by its answers; beside
     each, the replay of the same workload, as the model's tokenizer reads it, on twins
@@ -102,7 +116,7 @@ def compare_routers(url: str, model: Path, out: Path) -> None:
     policies = ["round_robin", "sglang_router", "cache_aware"]
     profile = out.with_suffix(".profile.json")
     replace(PROFILES["llama3-8b-h100"], costs=TINY_ON_A_CORE, kv_tokens=8192).save(profile)
-    target = ["--gateway", url, "--model", str(model)]
+    target = ["--gateway", url, "--model", str(model), "--fleet-token-file", str(token_file)]
     done = bench(out, *target, "--policies", ",".join(policies), "--replay-profile", str(profile))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = check_report(out, policies)
@@ -117,8 +131,11 @@ def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model,
     engine = ["--engine", "vllm", "--model", model, "--engine-arg", " ".join(VLLM_ARGS)]
     # dev mode: bench empties the servers' caches between its runs (/reset_prefix_cache)
     command = ["serve", *engine, "--replicas", "2", "--stride", "1", "--vllm-dev-mode"]
+    token_file = tmp_path / "fleet-token"
+    token_file.write_text(TOKEN)
+    operators = {ENV_FLEET_TOKEN: TOKEN}  # the fleet's token: serve's replicas ask it
     with leaves_no_vllm_behind():
-        with logged_process(command, log, ready_s=300, stop_s=60) as (url, process):
+        with logged_process(command, log, 300, 60, operators) as (url, process):
             stats = wait_until_checked(url, 2)
             # The gateway configured itself from the engines: their block size and model.
             assert (stats.config.routing.block_size, stats.config.model) == (32, model)
@@ -137,9 +154,16 @@ def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model,
             assert cached[0] == 0 and cached[1] > 400
             assert int(replies[1].headers["x-prefix-router-predicted-cached-tokens"]) == cached[1]
 
-            compare_routers(url, tiny_model, tmp_path / "bench")
+            compare_routers(url, tiny_model, tmp_path / "bench", token_file)
 
             victim = stats.backends[0]
+            # vLLM's server answers only the fleet's token on every path but /health
+            # (its own --api-key guards /v1 alone; our guard the rest)
+            assert httpx.get(f"{victim.url}/health").status_code == 200
+            for method, path in GUARDED:
+                assert httpx.request(method, victim.url + path, json={}).status_code == 401, path
+            carried = httpx.get(f"{victim.url}/metrics", headers=bearer(TOKEN))
+            assert carried.status_code == 200 and "vllm:" in carried.text
             server = server_on(victim.url)
             statuses, removed = asyncio.run(kill_mid_load(url, model, victim, server.pid))
             # Every request retried elsewhere.
@@ -158,6 +182,8 @@ def test_serve_engine_vllm_end_to_end_and_a_killed_server_comes_back(tiny_model,
             back = wait_for(readmitted, 180, "the killed server restarted and re-admitted")
             assert server_on(victim.url).pid != server.pid
             body = {"model": model, "prompt": "back?", "max_tokens": 2}
-            answer = httpx.post(f"{victim.url}/v1/completions", json=body, timeout=60)
+            answer = httpx.post(
+                f"{victim.url}/v1/completions", json=body, headers=bearer(TOKEN), timeout=60
+            )
             assert answer.status_code == 200, f"re-admitted after {back:.0f} s"
         assert process.returncode == 0, log.read_text()[-3000:]

@@ -14,8 +14,11 @@ import pytest
 from deploy.processes import running
 from loadtest.bench import BenchConfig
 from replica.api.cost_model import StepCosts
+from replica.api.fleet_token import ENV_FLEET_TOKEN
 
 pytestmark = pytest.mark.slow
+
+TOKEN = "the-fleets-token"
 
 #: A few short sessions: the whole comparison takes seconds.
 TINY = shlex.split(
@@ -27,6 +30,12 @@ TINY = shlex.split(
 def bench(out: Path, *arguments: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "prefix_router", "bench", "--out", str(out), *TINY, *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+def token_file(folder: Path) -> Path:
+    path = folder / "fleet-token"
+    path.write_text(TOKEN)
+    return path
 
 
 def expected_requests() -> int:
@@ -102,12 +111,14 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
 
 def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):
     replica = ["replica", "--speedup", "4", "--num-blocks", "512"]
-    with running(replica, replica) as replicas:
-        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+    # replicas that answer only the fleet's token: the bench, our gateway and SGLang's
+    # router (its --api-key) each carry it
+    token = ["--fleet-token-file", str(token_file(tmp_path))]
+    with running(replica, replica, env={ENV_FLEET_TOKEN: TOKEN}) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas], *token]
         with running(gateway) as (url,):
-            done = bench(
-                tmp_path, "--gateway", url, "--policies", "round_robin,cache_aware", "--with-sglang"
-            )
+            policies = ["--policies", "round_robin,cache_aware", "--with-sglang"]
+            done = bench(tmp_path, "--gateway", url, *policies, *token)
             # SGLang's router was started for its row and stopped after it.
             assert not [
                 p

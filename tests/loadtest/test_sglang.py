@@ -7,9 +7,13 @@ import pytest
 
 from deploy.processes import free_port, running
 from loadtest.sglang import SGLangRouterConfig, sglang_router
+from replica.api.fleet_token import ENV_FLEET_TOKEN, bearer
 from replica.api.identity import DEFAULT_MODEL
+from tests.shared import replica_stats
 
 pytestmark = pytest.mark.slow
+
+TOKEN = "the-fleets-token"
 
 
 def routers_over(worker: str) -> list[psutil.Process]:
@@ -24,16 +28,20 @@ def routers_over(worker: str) -> list[psutil.Process]:
 
 def test_it_routes_to_our_replica_and_stops_when_the_caller_fails(tmp_path):
     log = tmp_path / "router.log"
-    with running(["replica", "--speedup", "20"]) as (replica,):
+    # the replica asks the fleet's token: the router holds it (its one key, which it
+    # asks of its own clients too)
+    with running(["replica", "--speedup", "20"], env={ENV_FLEET_TOKEN: TOKEN}) as (replica,):
         with pytest.raises(RuntimeError, match="the caller failed"):  # noqa: SIM117
-            with sglang_router([replica], log=log) as router:
+            with sglang_router([replica], log=log, api_key=TOKEN) as router:
                 body = {"model": DEFAULT_MODEL, "prompt": "Hello, fleet. " * 40, "max_tokens": 4}
                 for _ in range(2):
-                    answer = httpx.post(router + "/v1/completions", json=body, timeout=30)
+                    answer = httpx.post(
+                        router + "/v1/completions", json=body, headers=bearer(TOKEN), timeout=30
+                    )
                     assert answer.status_code == 200, answer.text
                 # The second time, our replica had the prompt's blocks cached.
                 assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-                assert httpx.get(replica + "/stats").json()["requests"] == 2
+                assert replica_stats(replica, TOKEN).requests == 2
                 raise RuntimeError("the caller failed")
         assert routers_over(replica) == []
         with pytest.raises(httpx.ConnectError):
