@@ -53,12 +53,30 @@ def free(
 def test_a_tenant_beyond_its_share_leaves_the_reserve_free():
     replicas = filled(fleet(4), [0, 1, 2, 4])
     flood = RoutingRequest("f", 10, [], tenant="flood")
-    asked: list[int] = []
-    held = lambda: asked.append(1) or {"replica-3": 10}  # noqa: E731
+    held = lambda: {"replica-3": 10}  # noqa: E731  (its home is full)
     assert free(flood, replicas, held) == ["replica-0", "replica-1"]  # below CAP - RESERVE
-    assert not asked  # its home is never asked for
     # the reserve never takes a replica's last slot
     assert free(flood, replicas, held, reserve=9) == ["replica-0"]
+
+
+def test_a_tenant_beyond_its_share_stays_on_its_homes_while_one_has_a_slot():
+    replicas = filled(fleet(4), [0, 1, 2, 4])
+    flood = RoutingRequest("f", 10, [], tenant="flood")
+    # it holds the most on replica-1: there, not on replica-0 (emptier, but it would
+    # compute the flood's prefix there, stalling that replica's lighter tenants)
+    assert free(flood, replicas, lambda: {"replica-1": 64, "replica-0": 16}) == ["replica-1"]
+    both = {"replica-0": 64, "replica-1": 64, "replica-3": 64}
+    assert free(flood, replicas, lambda: both) == ["replica-0", "replica-1"]
+    # its homes full (below CAP - RESERVE no more): it spreads, as before
+    assert free(flood, replicas, lambda: {"replica-2": 64}) == ["replica-0", "replica-1"]
+    assert free(flood, replicas, dict) == ["replica-0", "replica-1"]  # held nowhere
+    # within its share, a tenant places freely
+    light = RoutingRequest("l", 10, [], tenant="light")
+    assert free(light, replicas, lambda: {"replica-1": 64}) == [
+        "replica-0",
+        "replica-1",
+        "replica-2",
+    ]
 
 
 def test_a_light_tenant_goes_over_the_cap_on_its_home_only_and_to_twice_the_cap_at_most():
