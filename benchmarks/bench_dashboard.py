@@ -30,14 +30,14 @@ from contextlib import contextmanager
 import httpx
 import numpy as np
 
-from benchmarks.bench_gateway import bodies, cpu_s, listener, saturate, timed
+from benchmarks.bench_gateway import bodies, cpu_s, listeners, saturate, timed
 from deploy.processes import running
 
 REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "4096", "--host-blocks", "8192"]
 
 
 def refresh_cost(gateway: str, refreshes: int) -> None:
-    process = listener(gateway)
+    process = listeners(gateway)
     with httpx.Client(timeout=30) as client:
         first = client.get(f"{gateway}/dashboard/data").content
         since, sizes = 0.0, []

@@ -138,25 +138,31 @@ async def saturate(urls: list[str], connections: int, seconds: float) -> tuple[i
     return done, failed
 
 
-def listener(url: str) -> psutil.Process:
-    """The process serving ``url`` (a router, whose CPU time is measured)."""
+def listeners(url: str) -> list[psutil.Process]:
+    """The processes serving ``url`` (a router's, or its workers sharing the port: whose
+    CPU time is measured)."""
     port = int(url.rsplit(":", 1)[1])
-    for connection in psutil.net_connections("tcp"):
-        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
-            return psutil.Process(connection.pid)
-    raise RuntimeError(f"nothing listens at {url}")
+    pids = {
+        connection.pid
+        for connection in psutil.net_connections("tcp")
+        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN"
+    }
+    if not pids:
+        raise RuntimeError(f"nothing listens at {url}")
+    return [psutil.Process(pid) for pid in sorted(pid for pid in pids if pid)]
 
 
-def cpu_s(process: psutil.Process | None) -> float:
-    if process is None:
-        return 0.0
-    times = process.cpu_times()
-    return times.user + times.system
+def cpu_s(processes: list[psutil.Process] | None) -> float:
+    total = 0.0
+    for process in processes or ():
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def throughput(
     targets: dict[str, list[str]],
-    routers: dict[str, psutil.Process],
+    routers: dict[str, list[psutil.Process]],
     connections: int,
     seconds: float,
     rounds: int,
@@ -201,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         help="measure only the latency added to chat turns of this long a seen history",
     )
     parser.add_argument("--stream", action="store_true", help="with --prompt-tokens: streamed")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="our gateway's processes (gateway --workers)"
+    )
     args = parser.parse_args(argv)
     if args.prompt_tokens:
         with (
@@ -212,12 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     with running(*[REPLICA] * args.replicas) as replicas:
         backends = [f"--backend={url}" for url in replicas]
         with (
-            running(["gateway", *backends, "--policy", "cache_aware"]) as (gateway,),
+            running(
+                ["gateway", *backends, "--policy", "cache_aware", "--workers", str(args.workers)]
+            ) as (gateway,),
             sglang_router(replicas) as sglang,
         ):
             added_latency(replicas[0], gateway, args.requests)
             targets = {"our gateway": [gateway], "SGLang's router": [sglang], "direct": replicas}
-            routers = {"our gateway": listener(gateway), "SGLang's router": listener(sglang)}
+            routers = {"our gateway": listeners(gateway), "SGLang's router": listeners(sglang)}
             throughput(targets, routers, args.connections, args.seconds, args.rounds)
 
 

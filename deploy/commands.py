@@ -8,6 +8,7 @@ starts Ray is imported only by the commands that need it, so ``replay`` starts f
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from deploy.flags import (
 )
 from deploy.fleet import FLEET_HELP, PD_HELP, fleet_engines, parse_entry, scaling_text
 from deploy.replicas import EngineSpec
-from deploy.serving import serve_http
+from deploy.serving import PortBusyError, listening_socket, serve_http, serve_workers
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES
 from replica.api.fleet_token import ENV_FLEET_TOKEN, fleet_token
@@ -284,20 +285,49 @@ def add_gateway_parser(commands: Any) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes sharing --port (SO_REUSEPORT), each routing as one of "
+        "several gateways do (default: 1)",
+    )
     add_config_flags(parser, GatewayConfig)
     parser.set_defaults(run=run_gateway)
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     from router.fleet.backends import parse_backend
-    from router.http.app import create_app
 
     config = config_from_args(GatewayConfig, args)
     check_tokenizer(config)
     for spec in args.backend:
         parse_backend(spec)  # refuse a bad one before serving
-    serve_http(create_app(config, args.backend), args.host, args.port)
-    return 0
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: at least one")
+    if args.workers == 1:
+        gateway_worker(config, args.backend, args.host, args.port, False)
+        return 0
+    listening_socket(args.host, args.port).close()  # a busy port said once, here
+    return serve_workers(
+        gateway_worker, (config, args.backend, args.host, args.port, True), args.workers
+    )
+
+
+def gateway_worker(
+    config: GatewayConfig, backends: list[str], host: str, port: int, reuse_port: bool
+) -> None:
+    """One gateway process: ``gateway`` itself, or one of its ``--workers`` (spawned,
+    so a module's function, given its arguments)."""
+    from router.http.app import create_app
+
+    try:
+        serve_http(create_app(config, backends), host, port, reuse_port)
+    except PortBusyError as error:
+        if not reuse_port:
+            raise
+        print(f"error: {error}", file=sys.stderr)  # a worker's: said as the command says it
+        sys.exit(2)
 
 
 def add_replica_parser(commands: Any) -> None:

@@ -1,12 +1,17 @@
-"""Serving an ASGI app: in the foreground, as every ``prefix-router`` server does, or as
-a task of a running event loop (inside a Ray actor)."""
+"""Serving an ASGI app: in the foreground, as every ``prefix-router`` server does, in
+several worker processes sharing one port, or as a task of a running event loop
+(inside a Ray actor)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import errno
+import multiprocessing
+import signal
 import socket
+from collections.abc import Callable
+from multiprocessing.connection import wait
 from types import FrameType
 from typing import Any
 
@@ -117,6 +122,46 @@ def serve_http(
     sock = sock or listening_socket(host, port, reuse_port)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal once stopped
         Server(uvicorn_config(app, host=host, port=port)).run(sockets=[sock])
+
+
+def serve_workers(worker: Callable[..., None], args: tuple[Any, ...], workers: int) -> int:
+    """Run ``worker(*args)`` in ``workers`` processes, each serving on its own socket of
+    one port (SO_REUSEPORT: the kernel spreads new connections over them), until they
+    end; Ctrl-C or SIGTERM here stops them all, gracefully. A worker that fails stops
+    the others. Its status: 0, or the first failure's. Processes are spawned, not
+    forked: each starts clean (no event loop, thread or socket of this one)."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=worker, args=args) for _ in range(workers)]
+    for process in processes:
+        process.start()
+
+    stopping, status = False, 0
+
+    def stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for process in processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: uvicorn finishes what is in flight
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        running = list(processes)
+        while running:
+            for ended in wait([p.sentinel for p in running]):
+                process = next(p for p in running if p.sentinel == ended)
+                process.join()
+                running.remove(process)
+                code = process.exitcode or 0
+                # uvicorn ends on the SIGTERM it was sent by raising it again: asked to
+                failed = code != 0 and not (stopping and code == -signal.SIGTERM)
+                if failed and not status:
+                    status = code if code > 0 else 1
+                    stop()
+        return status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 async def serve_in_loop(

@@ -4,4 +4,5 @@ import sys
 
 from prefix_router.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker imports it (gateway --workers)
+    sys.exit(main())
