@@ -229,7 +229,7 @@ class BackendCheck:
         ) as response:
             if response.status in (404, 405):
                 return None
-            _check_credential(response.status)
+            check_credential(response.status)
             response.raise_for_status()
             tokens = (await response.json()).get("tokens")
         return [int(t) for t in tokens] if isinstance(tokens, list) else None
@@ -265,7 +265,7 @@ class BackendCheck:
             timeout=aiohttp.ClientTimeout(total=self.answer_timeout_s),
         ) as response:
             await response.read()
-            _check_credential(response.status)
+            check_credential(response.status)
             if response.status != 200:  # nothing learned, nothing held against it
                 return None, f"events (the engine answered the canary with {response.status})"
         clock = asyncio.get_running_loop().time
@@ -307,7 +307,7 @@ class NotOfItsFleet(Exception):
     """The backend refused the gateway's requests for want of a credential."""
 
 
-def _check_credential(status: int) -> None:
+def check_credential(status: int) -> None:
     """Raise :class:`NotOfItsFleet` for a 401 or 403: no check can be made, and no
     request of the gateway's will be answered either, so the operator must hear why."""
     if status in (401, 403):

@@ -32,7 +32,13 @@ from replica.api.kv_events import KVEvent, KVEventPage, decode_page
 from replica.api.stats import KVEventsEndpoint
 from router.core import ReplicaState
 from router.fleet import load
-from router.fleet.backend_check import BackendCheck, CanaryWatch, Verdict
+from router.fleet.backend_check import (
+    BackendCheck,
+    CanaryWatch,
+    NotOfItsFleet,
+    Verdict,
+    check_credential,
+)
 from router.index.kv_subscriber import FollowedStream, KVStreams, StreamState
 
 #: How the router knows a backend's cache: from its events once they are checked
@@ -470,6 +476,9 @@ class BackendPool:
         """Hand the backend's new KV events to the policy; False if it did not answer."""
         try:
             page = await self._events_after(backend)
+        except NotOfItsFleet:  # up, but not ours to read: its check says why; probe /health
+            backend.events_supported = False  # (not its circuit flapping on every poll)
+            return True
         except (aiohttp.ClientError, TimeoutError) as error:
             log.debug("kv events from %s: %r", backend.url, error)
             return False
@@ -492,11 +501,12 @@ class BackendPool:
         asked now, the canary will tell)."""
         try:
             return await self._events_after(backend) is not None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, NotOfItsFleet):
             return True
 
     async def _events_after(self, backend: Backend) -> KVEventPage | None:
-        """The backend's ``/kv_events`` page, or ``None`` if it has no such endpoint."""
+        """The backend's ``/kv_events`` page, or ``None`` if it has no such endpoint;
+        raises ``NotOfItsFleet`` if it refuses the gateway (a fleet token it lacks)."""
         async with self.client.get(
             f"{backend.url}/kv_events",
             params={"since": backend.last_event_seq},
@@ -504,6 +514,7 @@ class BackendPool:
         ) as response:
             if response.status == 404:
                 return None
+            check_credential(response.status)
             response.raise_for_status()
             return decode_page(await response.read())
 

@@ -4,6 +4,7 @@ line."""
 
 import asyncio
 import logging
+import time
 
 import httpx
 import pytest
@@ -91,20 +92,19 @@ def test_a_gateway_given_the_token_routes_and_a_replica_pulls_from_its_peer_with
 
 def test_a_gateway_without_the_token_names_it_as_why_it_cannot_check_the_replica(fleet):
     _, (replica, _) = fleet
-    seen: list[str] = []
-
-    def said() -> bool:
-        (backend,) = gateway_stats(url).backends
-        if backend.routing_mode == "approximate":
-            seen.append(backend.approximate_reason or "")
-        return bool(seen)
-
-    # The verdict is said once the check ends; the backend is checked again whenever
-    # its circuit closes (its /kv_events refuses the gateway too), so it is read as said.
     with running(["gateway", f"--backend={replica}"]) as (url,):
-        wait_for(said, what="the check's verdict")
-    assert "asks a fleet token the gateway does not carry" in seen[0]
-    assert "--fleet-token-file" in seen[0]
+        wait_for(
+            lambda: gateway_stats(url).backends[0].routing_mode != "checking",
+            what="the check's verdict",
+        )
+        # and it stays said: the replica's /kv_events refuses the gateway too, which
+        # must not open and close its circuit (each readmission checks it again)
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            (backend,) = gateway_stats(url).backends
+            assert (backend.routing_mode, backend.healthy) == ("approximate", True)
+    assert "asks a fleet token the gateway does not carry" in backend.approximate_reason
+    assert "--fleet-token-file" in backend.approximate_reason
 
 
 def test_a_refusal_is_one_log_line_and_a_flood_of_them_a_line_a_second(caplog):
