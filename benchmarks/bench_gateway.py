@@ -13,11 +13,15 @@ loopback, our gateway (``cache_aware``, fed by KV events) and SGLang's router
 - **Throughput at saturation**: a closed loop of ``--connections`` clients (one
   asyncio process, keep-alive connections) sends completions for ``--seconds`` to
   each target in turn, for ``--rounds`` rounds: through our gateway, through SGLang's
-  router, and straight to the replicas (each client to one replica, as a perfect
-  balancer would). Requests per second, median of the rounds, and each target's
-  ratio to SGLang's, and each router's own CPU time per request. Client, router and
-  replicas share this machine's cores, so a router's CPU per request is what
-  separates the figures.
+  router, through vLLM's router (PyPI ``vllm-router``, its ``cache_aware`` policy),
+  and straight to the replicas (each client to one replica, as a perfect balancer
+  would). Requests per second, median of the rounds, and each target's ratio to
+  SGLang's; each router's own CPU time per request (user and system, from ``/proc``,
+  over all its processes); the latency it adds at that load (its p50 minus the
+  direct p50). Client, router and replicas share this machine's cores, so a router's
+  CPU per request is what separates the figures.
+- **Where our gateway's CPU goes** (``--profile``): one more round through it under
+  py-spy, its samples by stage of the request path (benchmarks/path_profile.py).
 
 The prompts share a few long prefixes (a system prompt per application) and end in
 a request-specific question, as a chat fleet's do.
@@ -30,20 +34,26 @@ import asyncio
 import itertools
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
 import numpy as np
 import psutil
 
+from benchmarks import path_profile
 from deploy.processes import running
 from loadtest.sglang import sglang_router
+from loadtest.vllm_router import vllm_router_regular
 from replica.api.identity import DEFAULT_MODEL
 
 REPLICA = ["replica", "--speedup", "1000", "--num-blocks", "32768", "--host-blocks", "0"]
 APPS = 8
+OURS, SGLANG, VLLM, DIRECT = "our gateway", "SGLang's router", "vLLM's router", "direct"
 
 
 def bodies(count: int) -> list[dict]:
@@ -112,30 +122,40 @@ def added_latency(
 # ----------------------------------------------------------------- throughput
 
 
-async def saturate(urls: list[str], connections: int, seconds: float) -> tuple[int, int]:
-    """Requests answered (and failed) in ``seconds`` by ``connections`` closed-loop
-    clients; client ``i`` sends to ``urls[i % len(urls)]``."""
+@dataclass
+class Round:
+    """One target's round: requests answered and failed, and each one's seconds."""
+
+    done: int = 0
+    failed: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+async def saturate(urls: list[str], connections: int, seconds: float) -> Round:
+    """``connections`` closed-loop clients for ``seconds``; client ``i`` sends to
+    ``urls[i % len(urls)]``."""
     load = bodies(4096)
-    done = failed = 0
+    result = Round()
     deadline = time.perf_counter() + seconds
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def client(index: int) -> None:
-            nonlocal done, failed
             url = urls[index % len(urls)] + "/v1/completions"
             for body in itertools.cycle(load[index::connections]):
-                if time.perf_counter() >= deadline:
+                start = time.perf_counter()
+                if start >= deadline:
                     return
                 async with session.post(url, json=body) as response:
                     await response.read()
                     if response.status == 200:
-                        done += 1
+                        result.done += 1
+                        result.latencies.append(time.perf_counter() - start)
                     else:
-                        failed += 1
+                        result.failed += 1
 
         await asyncio.gather(*(client(i) for i in range(connections)))
-    return done, failed
+    return result
 
 
 def listeners(url: str) -> list[psutil.Process]:
@@ -166,31 +186,57 @@ def throughput(
     connections: int,
     seconds: float,
     rounds: int,
-) -> None:
+) -> dict[str, float]:
+    """Each target's rounds, interleaved; prints the table, returns each router's
+    median CPU seconds per request."""
     for urls in targets.values():  # warm up every path (connections, the router's trees)
         asyncio.run(saturate(urls, connections, 1.0))
     rates: dict[str, list[float]] = {name: [] for name in targets}
+    p50s: dict[str, list[float]] = {name: [] for name in targets}
     cpu_per_request: dict[str, list[float]] = {name: [] for name in routers}
     for _ in range(rounds):
         for name, urls in targets.items():
             before = cpu_s(routers.get(name))
-            done, failed = asyncio.run(saturate(urls, connections, seconds))
-            if failed:
-                print(f"  warning: {failed} requests failed through {name}", file=sys.stderr)
-            rates[name].append(done / seconds)
+            result = asyncio.run(saturate(urls, connections, seconds))
+            if result.failed:
+                print(f"  warning: {result.failed} requests failed through {name}", file=sys.stderr)
+            rates[name].append(result.done / seconds)
+            p50s[name].append(statistics.median(result.latencies))
             if name in routers:
-                cpu_per_request[name].append((cpu_s(routers[name]) - before) / done)
+                cpu_per_request[name].append((cpu_s(routers[name]) - before) / result.done)
     print(
         f"Throughput at saturation: {connections} closed-loop connections, {rounds} rounds "
-        f"of {seconds:.0f} s per target (requests/s; the router's own CPU per request):"
+        f"of {seconds:.0f} s per target (requests/s, medians; the router's own CPU per "
+        "request; its p50 latency minus the direct p50, same round):"
     )
-    reference = statistics.median(rates["SGLang's router"])
+    reference = statistics.median(rates[SGLANG])
     for name, values in rates.items():
         median = statistics.median(values)
         runs = ", ".join(f"{v:,.0f}" for v in values)
         cpu = cpu_per_request.get(name)
         cost = f"   {statistics.median(cpu) * 1e6:4.0f} us CPU/request" if cpu else ""
-        print(f"  {name:<16} {median:6,.0f}  ({runs})  {median / reference:.2f}x SGLang's{cost}")
+        added = [p - d for p, d in zip(p50s[name], p50s[DIRECT], strict=True)]
+        extra = f"   +{statistics.median(added) * 1e3:.2f} ms p50" if name != DIRECT else ""
+        print(
+            f"  {name:<20} {median:6,.0f}  ({runs})  {median / reference:.2f}x SGLang's"
+            f"{cost}{extra}"
+        )
+    return {name: statistics.median(values) for name, values in cpu_per_request.items()}
+
+
+def profiled(gateway: str, connections: int, seconds: float, cpu_per_request: float) -> None:
+    """One more round through our gateway under py-spy: where its CPU goes."""
+    pids = [process.pid for process in listeners(gateway)]
+    out = Path(tempfile.mkdtemp(prefix="gateway-profile-")) / "py-spy"
+    spies = path_profile.record(pids, seconds, out)
+    asyncio.run(saturate([gateway], connections, seconds + 1.0))
+    profile = path_profile.collected(spies, out, pids)
+    print(
+        f"Our gateway's CPU by stage (py-spy --native, {profile.total} samples over "
+        f"{seconds:.0f} s; {cpu_per_request * 1e6:.0f} us a request in the rounds above):"
+    )
+    print(profile.table())
+    print(f"  (raw samples: {out}-PID.txt)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workers", type=int, default=1, help="our gateway's processes (gateway --workers)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="then profile our gateway by stage (py-spy)"
+    )
     args = parser.parse_args(argv)
     if args.prompt_tokens:
         with (
@@ -225,11 +274,14 @@ def main(argv: list[str] | None = None) -> None:
                 ["gateway", *backends, "--policy", "cache_aware", "--workers", str(args.workers)]
             ) as (gateway,),
             sglang_router(replicas) as sglang,
+            vllm_router_regular(replicas) as vllm,
         ):
             added_latency(replicas[0], gateway, args.requests)
-            targets = {"our gateway": [gateway], "SGLang's router": [sglang], "direct": replicas}
-            routers = {"our gateway": listeners(gateway), "SGLang's router": listeners(sglang)}
-            throughput(targets, routers, args.connections, args.seconds, args.rounds)
+            targets = {OURS: [gateway], SGLANG: [sglang], VLLM: [vllm], DIRECT: replicas}
+            routers = {name: listeners(urls[0]) for name, urls in targets.items() if name != DIRECT}
+            cpu = throughput(targets, routers, args.connections, args.seconds, args.rounds)
+            if args.profile:
+                profiled(gateway, args.connections, args.seconds, cpu[OURS])
 
 
 if __name__ == "__main__":

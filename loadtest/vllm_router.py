@@ -1,4 +1,5 @@
-"""vLLM's router (PyPI ``vllm-router``, Rust) in its P/D mode, in front of our replicas.
+"""vLLM's router (PyPI ``vllm-router``, Rust) in front of our replicas: in its P/D mode,
+or in its regular mode over one pool (``regular=True``: the gateway benchmark's row).
 
 Our replicas speak vLLM's ``kv_transfer_params`` protocol (replica/api/kv_params.py),
 so the router a vLLM user would deploy for a disaggregated fleet fronts them as it
@@ -43,11 +44,22 @@ def command(
     config: VLLMRouterConfig,
     api_key: str = "",
 ) -> list[str]:
-    """Its command line; its Prometheus exporter on a free port, its workers checked
-    every second at start (its default waits 30 s between checks); ``api_key``: what
-    its workers ask of callers."""
+    """Its command line in P/D mode; its Prometheus exporter on a free port, its
+    workers checked every second at start (its default waits 30 s between checks);
+    ``api_key``: what its workers ask of callers."""
     workers = [arg for url in prefill for arg in ("--prefill", url)]
     workers += [arg for url in decode for arg in ("--decode", url)]
+    return _command(["--vllm-pd-disaggregation", *workers], port, config, api_key)
+
+
+def regular_command(
+    workers: Sequence[str], port: int, config: VLLMRouterConfig, api_key: str = ""
+) -> list[str]:
+    """Its command line in regular mode: one pool, each request to one worker."""
+    return _command(["--worker-urls", *workers], port, config, api_key)
+
+
+def _command(workers: list[str], port: int, config: VLLMRouterConfig, api_key: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -56,7 +68,6 @@ def command(
         "127.0.0.1",
         "--port",
         str(port),
-        "--vllm-pd-disaggregation",
         *workers,
         "--policy",
         config.policy,
@@ -84,13 +95,38 @@ def vllm_router(
         raise ValueError("vLLM's router in P/D mode needs prefill and decode replicas")
     config = config or VLLMRouterConfig()
     port = free_port()
+    with _started(command(prefill, decode, port, config, api_key), port, config, log) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_router_regular(
+    workers: Sequence[str],
+    config: VLLMRouterConfig | None = None,
+    log: Path | None = None,
+    api_key: str = "",
+) -> Iterator[str]:
+    """Start vLLM's router in regular mode over ``workers``; its URL once ready."""
+    if not workers:
+        raise ValueError("vLLM's router needs workers")
+    config = config or VLLMRouterConfig()
+    port = free_port()
+    with _started(regular_command(workers, port, config, api_key), port, config, log) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _started(
+    argv: list[str], port: int, config: VLLMRouterConfig, log: Path | None
+) -> Iterator[str]:
+    """Run ``argv``; its URL once its ``/readiness`` says ready, stopped on the way out."""
 
     def ready(reply: httpx.Response) -> bool:
         return reply.status_code == 200 and reply.json().get("status") == "ready"
 
     with router_process(
         "vLLM's router",
-        command(prefill, decode, port, config, api_key),
+        argv,
         f"http://127.0.0.1:{port}",
         ready,
         "/readiness",
