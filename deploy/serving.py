@@ -100,9 +100,11 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
 def uvicorn_config(app: Any, **options: Any) -> Any:
     """Our servers' uvicorn settings: quiet (no access log), graceful on shutdown, idle
     connections kept long enough, and no per-request work nobody reads (proxy headers,
-    Server and Date headers)."""
+    Server and Date headers); the app's own HTTP protocol where it has one (the
+    gateway's: router/http/hot_path.py)."""
     return uvicorn.Config(
         app,
+        http=getattr(app, "http_protocol", "auto"),
         log_level="warning",
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,

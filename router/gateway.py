@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import aiohttp
 import numpy as np
-from fastapi import Request
 from fastapi.responses import Response
 
 from replica.api.fleet_token import bearer
@@ -126,7 +125,7 @@ class Gateway:
         dispatcher = Dispatcher(self.upstream, pool, Settlement(accounting, self.queue))
         return resolver, admitter, placer, dispatcher
 
-    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+    async def handle(self, request: envelope.Inbound, path: str, chat: bool) -> Response:
         """One completion request, through the stages (see the module's doc)."""
         tenant = self.keys.tenant(request.headers.get("authorization"))  # 401 before any work
         name = tenant.name if tenant else None

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,7 +37,9 @@ from router.gateway import Gateway
 from router.http.dashboard import STATIC
 from router.http.dashboard.history import History
 from router.http.dashboard.view import build, replica_figures
+from router.http.hot_path import HOT_PATHS, HotPathProtocol
 from router.http.metrics import GatewayMetrics
+from router.path.envelope import AsgiInbound, Inbound
 from router.policies import POLICIES
 from router.stats import for_monitoring
 
@@ -131,23 +133,39 @@ class GatewayApp(FastAPI):
     router's path matching and FastAPI's dependency resolution: a third of the
     gateway's CPU per request in front of fast replicas. Their FastAPI twins in
     ``routes``, never reached, describe the bodies in the OpenAPI schema (for
-    clients and fuzzers); everything else is served by FastAPI as usual.
+    clients and fuzzers); everything else is served by FastAPI as usual. Served by
+    uvicorn with ``http_protocol`` (deploy/serving.py), the completion endpoints do
+    not cross ASGI either (router/http/hot_path.py).
     """
 
+    http_protocol = HotPathProtocol
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = HOT_PATHS.get(scope["path"]) if scope["type"] == "http" else None
-        if handler is None or scope["method"] != "POST":
+        hot = scope["type"] == "http" and scope["method"] == "POST"
+        chat = HOT_PATHS.get(scope["path"]) if hot else None
+        if chat is None:
             await super().__call__(scope, receive, send)
             return
         scope["app"] = self
-        request = Request(scope, receive, send)
-        try:
-            response = await handler(request)
-        except api.Rejected as error:
-            response = error.response()
-        except Unauthorized as error:
-            response = await _unauthorized(request, error)
+        inbound = AsgiInbound(Request(scope, receive, send))
+        response = await self.respond(scope["path"], chat, inbound)
         await response(scope, receive, send)
+
+    @property
+    def max_request_bytes(self) -> int:
+        gateway: Gateway = self.state.gateway
+        return gateway.config.max_request_bytes
+
+    async def respond(self, path: str, chat: bool, inbound: Inbound) -> Response:
+        """A completion request's answer, refusals included: the one way in for both
+        HTTP servers."""
+        gateway: Gateway = self.state.gateway
+        try:
+            return await gateway.handle(inbound, path, chat)
+        except api.Rejected as error:
+            return error.response()
+        except Unauthorized as error:
+            return unauthorized(error)
 
 
 def _client(config: GatewayConfig, fleet_token: str) -> aiohttp.ClientSession:
@@ -176,6 +194,10 @@ async def _invalid(request: Request, error: RequestValidationError) -> JSONRespo
 
 
 async def _unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
+    return unauthorized(error)
+
+
+def unauthorized(error: Unauthorized) -> JSONResponse:
     body = api.error_body(str(error), error.status)
     headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse(body, status_code=error.status, headers=headers)
@@ -188,28 +210,14 @@ async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
 # ----------------------------------------------------------------- the OpenAI API
 
 
-async def completions(request: Request) -> Response:
-    return await _gateway(request).handle(request, "/v1/completions", chat=False)
-
-
-async def chat_completions(request: Request) -> Response:
-    return await _gateway(request).handle(request, "/v1/chat/completions", chat=True)
-
-
-HOT_PATHS: dict[str, Callable[[Request], Awaitable[Response]]] = {
-    "/v1/completions": completions,
-    "/v1/chat/completions": chat_completions,
-}
-
-
 @routes.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions_schema(body: api.CompletionRequest, request: Request) -> Response:
-    return await completions(request)
+    raise AssertionError("served by GatewayApp before FastAPI's routing")
 
 
 @routes.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat_schema(body: api.ChatCompletionRequest, request: Request) -> Response:
-    return await chat_completions(request)
+    raise AssertionError("served by GatewayApp before FastAPI's routing")
 
 
 @routes.get("/v1/models")
