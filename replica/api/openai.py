@@ -7,7 +7,7 @@ values become a 400 naming the problem, as OpenAI and vLLM answer.
 from __future__ import annotations
 
 import json
-import uuid
+import os
 from typing import Any, Literal
 
 import numpy as np
@@ -384,7 +384,9 @@ class Rejected(ValueError):
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A unique id: 128 random bits in hex, as a uuid4's (without building one: a
+    quarter of the time, on every request the gateway routes)."""
+    return f"{prefix}-{os.urandom(16).hex()}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import numpy as np
 from replica.api.kv_events import KVEvent
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import PrefixIndex
+from router.policies.ties import Ties
 
 if TYPE_CHECKING:  # the knobs of every policy, each policy's with it
     from router.policies.registry import PolicyConfig
@@ -53,6 +54,7 @@ class Policy:
         self.config = config
         self.clock = clock
         self.rng = rng
+        self.ties = Ties(rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         raise NotImplementedError
@@ -114,4 +116,4 @@ class Policy:
         return self._pick([r for r in replicas if r.load_requests == low])
 
     def _pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        return replicas[int(self.rng.integers(len(replicas)))] if len(replicas) > 1 else replicas[0]
+        return replicas[self.ties.below(len(replicas))] if len(replicas) > 1 else replicas[0]

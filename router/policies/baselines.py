@@ -10,6 +10,7 @@ import xxhash
 
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.policies.base import Policy
+from router.policies.ties import NumpyTies
 
 if TYPE_CHECKING:
     from router.policies.registry import PolicyConfig
@@ -50,6 +51,10 @@ class PowerOfTwo(Policy):
     """Two replicas at random, the less loaded wins (as Ray Serve's default router)."""
 
     name = "power_of_two"
+
+    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
+        super().__init__(config, clock, rng)
+        self.ties = NumpyTies(rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         if len(replicas) < 3:
