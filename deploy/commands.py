@@ -175,10 +175,14 @@ def add_serve_parser(commands: Any) -> None:
     add_pd_flags(parser)
     parser.add_argument(
         "--gateways",
+        "--workers",
         type=int,
         default=1,
+        dest="gateways",
+        metavar="N",
         help="gateway processes, routing as one (default: 1, in this process; more are "
-        "Ray actors sharing --port, or on --port, --port+1, ... with --separate-ports)",
+        "Ray actors sharing --port, as `gateway --workers` shares it, or on --port, "
+        "--port+1, ... with --separate-ports)",
     )
     parser.add_argument("--separate-ports", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")

@@ -115,7 +115,7 @@ def both_indexed(url: str, timeout_s: float = 10.0) -> None:
 def test_serve_with_two_gateways_shares_one_port_between_two_processes():
     # the operator's token, given in the environment (serve makes one without it)
     operators = {**os.environ, ENV_FLEET_TOKEN: TOKEN}
-    with serving("--gateways", "2", environment=operators) as (url, process):
+    with serving("--workers", "2", environment=operators) as (url, process):  # --gateways
         pids: set[int] = set()
         for _ in range(40):  # a new connection each time: the kernel spreads them
             stats = httpx.get(url + "/stats").json()
