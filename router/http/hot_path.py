@@ -83,6 +83,7 @@ class HotPathProtocol(HttpToolsProtocol):
         app: Any = self.config.app
         self._app: Responder | None = app if hasattr(app, "respond") else None
         self._task: asyncio.Task[None] | None = None
+        self._limit: int | None = None  # the app's body limit, read at the first request
 
     def on_headers_complete(self) -> None:
         hot = self._hot_request()
@@ -106,7 +107,9 @@ class HotPathProtocol(HttpToolsProtocol):
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         hot = HotRequest(self.url.decode(), chat, headers, keep_alive)
-        hot.limit = self._app.max_request_bytes
+        if self._limit is None:
+            self._limit = self._app.max_request_bytes
+        hot.limit = self._limit
         return hot
 
     def on_body(self, body: bytes) -> None:

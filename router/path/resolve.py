@@ -12,6 +12,7 @@ read is routed by load alone.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,7 @@ class Resolver:
         if envelope.prompt is None:
             self.accounting.unread_prompts += 1
             request = RoutingRequest(
-                api.new_id("route"), 0, tenant=name, model=served.model, adapter=served.adapter
+                route_id(), 0, tenant=name, model=served.model, adapter=served.adapter
             )
         else:
             request = self.keyed(envelope.prompt, salt, name, served)
@@ -107,7 +108,7 @@ class Resolver:
         self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
         affinity = affinity_key(prompt, routing.block_size, routing.index.stride, seed)
         return RoutingRequest(
-            api.new_id("route"),
+            route_id(),
             len(prompt),
             hashes,
             tenant=tenant,
@@ -115,6 +116,15 @@ class Resolver:
             adapter=served.adapter,
             affinity=affinity,
         )
+
+
+#: A routing decision's id: unique within the gateway, which alone keeps it (in flight,
+#: in its index); never sent to a client or replica, so a count serves.
+_ROUTE_IDS = itertools.count()
+
+
+def route_id() -> str:
+    return f"route-{next(_ROUTE_IDS)}"
 
 
 def classify(request: RoutingRequest, envelope: Envelope, tenant: Tenant | None) -> None:
