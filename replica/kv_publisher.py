@@ -70,22 +70,31 @@ class KVPublisher:
         self._thread: threading.Thread | None = None
         self.endpoint: KVEventsEndpoint | None = None
 
-    def start(self) -> KVEventsEndpoint:
+    def start(self, at: KVEventsEndpoint | None = None) -> KVEventsEndpoint:
+        """Bind the sockets to free ports, or to ``at``'s (an engine restarted where the
+        last one published, as a vLLM server's fixed ports are: its batches start over
+        at 0 for the subscribers still connected there)."""
         address = f"tcp://{self._host}"
         for socket in (self._events_pub, self._load_pub):
             socket.setsockopt(zmq.SNDHWM, 100_000)
             socket.setsockopt(zmq.LINGER, 0)
-        events_port = self._events_pub.bind_to_random_port(address)
-        load_port = self._load_pub.bind_to_random_port(address)
         replay = self._context.socket(zmq.ROUTER)
         replay.setsockopt(zmq.LINGER, 0)
-        replay_port = replay.bind_to_random_port(address)
-        self.endpoint = KVEventsEndpoint(
-            f"{address}:{events_port}",
-            f"{address}:{replay_port}",
-            self._topic.decode(),
-            f"{address}:{load_port}",
-        )
+        if at is None:
+            events_port = self._events_pub.bind_to_random_port(address)
+            load_port = self._load_pub.bind_to_random_port(address)
+            replay_port = replay.bind_to_random_port(address)
+            at = KVEventsEndpoint(
+                f"{address}:{events_port}",
+                f"{address}:{replay_port}",
+                self._topic.decode(),
+                f"{address}:{load_port}",
+            )
+        else:
+            self._events_pub.bind(at.endpoint)
+            self._load_pub.bind(at.load_endpoint)
+            replay.bind(at.replay_endpoint)
+        self.endpoint = at
         self.publish_load()
         self._running = True
         # The replay socket is handed over before the thread starts and used only there.

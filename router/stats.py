@@ -120,6 +120,8 @@ class KVStreamStats:
     #: once it equals the replica's ``kv_event_batches``, the index holds every event
     #: the replica published (what tests and operators can wait for).
     indexed_through: int | None = None
+    #: Times its batch numbers started over (a new engine behind the same sockets).
+    restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,14 @@ class BackendPool:
         log.warning("backend %s is healthy again", backend.url)
         self._start_check(backend)  # it may have come back as another engine
 
+    def _engine_restarted(self, backend: Backend) -> None:
+        """A new engine behind the backend's sockets (its stream dropped its entries):
+        it may serve another model or key otherwise, so it is described and checked
+        again, as a new backend, routed approximately until its check passes."""
+        log.warning("backend %s: a new engine (its KV events started over)", backend.url)
+        asyncio.get_running_loop().create_task(self._describe_again(backend))
+        self._start_check(backend)
+
     def _events(self, backend: Backend, events: list[KVEvent]) -> None:
         if backend.canary is not None:
             backend.canary.feed(events)
@@ -326,6 +334,7 @@ class BackendPool:
                 endpoint,
                 on_events=lambda events: self._events(backend, events),
                 on_load=lambda report: load.reported(backend.state, report),
+                on_restart=lambda: self._engine_restarted(backend),
             )
             if endpoint.replay_endpoint:  # the policy may have it applied again
                 backend.state.kv_stream = FollowedStream(streams, backend, backend.stream)

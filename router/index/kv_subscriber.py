@@ -20,7 +20,11 @@ A policy may have batches applied again (:meth:`KVStreams.replay_since`): where 
 engine found fewer cached tokens than its events said, the index drops those entries
 and the stream is applied again from the request's dispatch on.
 Silence longer than ``silence_s`` on a stream with a heartbeat (ours) marks the replica
-stale: its entries are dropped until it speaks again.
+stale: its entries are dropped until it speaks again. An engine restarted where the last
+one published (a vLLM server's fixed ports) numbers its batches from 0 again: a live
+batch number at or below the last live one (the live stream is in order; only replays
+repeat numbers) means a new engine, so the replica's entries are dropped at once and its
+replay buffer learned, as a new follower's.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class StreamState:
     on_events: Callable[[list[KVEvent]], None]
     #: Runs through ``deliver`` with each new load report, and ``None`` when stale.
     on_load: Callable[[LoadReport | None], None] | None = None
+    #: Runs through ``deliver`` when its batch numbers start over (a new engine).
+    on_restart: Callable[[], None] | None = None
     next_batch: int | None = None  # the batch number expected next (None: none seen)
     #: The batch after the last one in the index (on the event loop, after ``on_events``).
     indexed_through: int | None = None
@@ -68,6 +74,8 @@ class StreamState:
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0
+    #: Times its live batch numbers started over: a new engine behind the same sockets.
+    restarts: int = 0
     stale: bool = False
     #: Set on the event loop once what the publisher's replay buffer held when the
     #: follower joined is in the index (at once for a publisher with no replay).
@@ -78,6 +86,7 @@ class StreamState:
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCIES_KEPT))
     _load_bytes: bytes = b""
     _promised: int = 0  # batches the last load report said were sent
+    _last_live: int = -1  # the last batch number that came live (replays not counted)
 
 
 @dataclass(frozen=True)
@@ -128,12 +137,20 @@ class KVStreams:
         on_events: Callable[[list[KVEvent]], None],
         on_load: Callable[[LoadReport | None], None] | None = None,
         next_batch: int | None = None,
+        on_restart: Callable[[], None] | None = None,
     ) -> StreamState:
         """Follow a backend's stream; ``on_events`` runs through ``deliver``. The state's
         ``load`` is the latest load the backend reported. A follower that knows where it
         stopped passes ``next_batch`` and is replayed what it missed; else it learns the
-        whole replay buffer."""
-        state = StreamState(endpoint, on_events, on_load, next_batch, last_heard=self._clock())
+        whole replay buffer. ``on_restart``: told when a new engine publishes there."""
+        state = StreamState(
+            endpoint,
+            on_events,
+            on_load,
+            on_restart=on_restart,
+            next_batch=next_batch,
+            last_heard=self._clock(),
+        )
         self._commands.put(("follow", key, state))
         return state
 
@@ -251,6 +268,8 @@ class KVStreams:
         if payload != state._load_bytes:  # the same bytes as last time: nothing to decode
             state._load_bytes = payload
             state.load = self._load.decode(payload)
+            if state.load.batches < state._promised:  # its count went back: a new engine
+                self._restarted(state, state._promised, state.load.batches)
             if state.on_load is not None:
                 self._deliver(state.on_load, state.load)
         expected = state.next_batch or 0
@@ -259,6 +278,9 @@ class KVStreams:
         state._promised = state.load.batches if state.load is not None else 0
 
     def _batch(self, state: StreamState, seq: int, payload: bytes) -> None:
+        if seq <= state._last_live:
+            self._restarted(state, state._last_live, seq)
+        state._last_live = seq
         expected = state.next_batch
         if expected is None and seq > 0:
             expected = 0  # we joined late: ask for what came before
@@ -293,6 +315,24 @@ class KVStreams:
         state.indexed_through = seq + 1
         if ts:
             state.latencies.append(self._clock() - ts)
+
+    def _restarted(self, state: StreamState, before: int, now: int) -> None:
+        """The publisher numbers its batches from the start again: a new engine, whose
+        cache holds nothing of what the index has for it. Drop that, and follow the new
+        stream as a new follower does (from its replay buffer, where it has batches
+        before the next one)."""
+        log.warning(
+            "KV events from %s started over (batch %d after %d): a new engine; "
+            "its entries are dropped and its stream followed anew",
+            state.endpoint.endpoint,
+            now,
+            before,
+        )
+        state.restarts += 1
+        self._resync(state)
+        state.next_batch, state._promised, state._last_live = None, 0, -1
+        if state.on_restart is not None:
+            self._deliver(state.on_restart)
 
     def _resync(self, state: StreamState) -> None:
         """Forget what the replica held: its later events teach it again."""

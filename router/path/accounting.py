@@ -259,4 +259,5 @@ def _stream_stats(backend: Backend) -> KVStreamStats | None:
         percentile(latencies, 50),
         percentile(latencies, 99),
         state.indexed_through,
+        state.restarts,
     )

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ from replica.api.config import ReplicaConfig
 from replica.api.identity import DEFAULT_MODEL, identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent, decode_page
 from replica.api.kv_wire import decode_batch, encode_batch
-from replica.api.stats import LoadReport
+from replica.api.stats import KVEventsEndpoint, LoadReport
 from replica.event_log import EventLog
 from replica.kv_publisher import KVPublisher
 from replica.server import create_app
@@ -173,6 +174,56 @@ def test_a_stream_applied_again_from_a_batch_gets_every_batch_from_there():
     finally:
         streams.close()
         publisher.stop()
+
+
+@pytest.mark.parametrize("heartbeat", [True, False], ids=["ours", "vllm-like"])
+def test_an_engine_restarted_on_the_same_sockets_is_followed_anew(heartbeat):
+    """A new engine where the last one published (vLLM's fixed ports) numbers its
+    batches from 0 again: its old entries are dropped at once, its batches applied
+    (not taken for replays), and the restart counted. With our heartbeat the count in
+    its load report gives it away before any batch; without (vLLM's), its first batch."""
+    applied: list[object] = []  # each batch's one removed block, or "cleared"
+    streams = KVStreams(lambda fn, *args: fn(*args))
+
+    def record(events: list[KVEvent]) -> None:
+        applied.extend(e.kind if e.kind == "cleared" else e.block_hashes[0] for e in events)
+
+    def engine(running: int, at: KVEventsEndpoint | None = None) -> tuple[EventLog, KVPublisher]:
+        log = EventLog()  # running: told apart in the load reports
+        publisher = KVPublisher(log, 16, lambda: LoadReport(running, 0, 0))
+        publisher.start(at)
+        return log, publisher
+
+    def publish(log: EventLog, publisher: KVPublisher, blocks: range) -> None:
+        for block in blocks:
+            log.append("removed", (block,))
+            publisher.flush()
+
+    log, first = engine(running=1)
+    assert first.endpoint is not None
+    endpoint = first.endpoint if heartbeat else replace(first.endpoint, load_endpoint="")
+    try:
+        state = streams.follow("r", endpoint, record)
+        wait_for(lambda: state.learned, what="the stream followed")
+        time.sleep(0.3)  # the subscription reaches the publisher (ZMQ's slow joiner)
+        publish(log, first, range(5))
+        wait_for(lambda: state.indexed_through == 5, what="the first engine's batches")
+        first.stop()
+        log, second = engine(running=2, at=first.endpoint)
+        try:
+            if heartbeat:  # its first report says it has published nothing
+                wait_for(lambda: state.restarts == 1, what="the restart, from the load report")
+                assert applied[-1] == "cleared" and state.next_batch is None
+            else:
+                time.sleep(0.5)  # the subscriber reconnects to the new publisher
+            publish(log, second, range(100, 103))
+            wait_for(lambda: state.indexed_through == 3, what="the new engine's batches")
+            assert applied == [0, 1, 2, 3, 4, "cleared", 100, 101, 102]
+            assert state.restarts == 1 and state.next_batch == 3
+        finally:
+            second.stop()
+    finally:
+        streams.close()
 
 
 # ----------------------------------------------------------------- a real replica's stream
@@ -367,6 +418,58 @@ def test_a_vllm_server_named_per_backend_is_routed_precisely_and_never_goes_stal
                     assert int(answer.headers["x-prefix-router-predicted-cached-tokens"]) == 512
                 streams = {b.url: b.kv_stream for b in gateway_stats(gateway).backends}
                 assert not streams[foreign].stale and streams[foreign].endpoint.endswith(str(port))
+    finally:
+        publisher.close(linger=0)
+        context.term()
+
+
+@pytest.mark.slow
+def test_a_vllm_engine_restarted_behind_the_same_sockets_is_forgotten_at_its_first_batch():
+    """vLLM's ports are fixed: a restarted server's publisher numbers its batches from 0
+    again on the same socket. Its first batch tells the gateway: the old engine's
+    entries go at once (no over-prediction of what it held), the new one's are learned."""
+    vllm = vllm_classes(False, False)
+    old_prompt = np.arange(1, 513, dtype="<u4")  # 32 blocks of 16 tokens
+    new_prompt = np.arange(1001, 1513, dtype="<u4")
+
+    def stored(prompt: np.ndarray, tag: int) -> Any:
+        hashes = [bytes([tag, i]) * 16 for i in range(32)]
+        return vllm["BlockStored"](hashes, None, prompt.tolist(), 16, None, "GPU")
+
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    encoder = msgspec.msgpack.Encoder()
+
+    def publish(seq: int, event: Any) -> None:
+        batch = vllm["EventBatch"](time.time(), [event])
+        publisher.send_multipart([b"kv-events", seq.to_bytes(8, "big"), encoder.encode(batch)])
+
+    def predicted(gateway: str, prompt: np.ndarray) -> int:
+        body = {"prompt": [*prompt.tolist(), 7, 8, 9], "max_tokens": 1}
+        answer = httpx.post(gateway + "/v1/completions", json=body, timeout=30)
+        return int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+
+    def stream(gateway: str) -> Any:
+        return gateway_stats(gateway).backends[0].kv_stream
+
+    try:
+        with running(["replica"]) as (engine,):
+            spec = f"{engine},kv=tcp://127.0.0.1:{port},topic=kv-events"
+            with running(["gateway", f"--backend={spec}", "--no-check-backends"]) as (gateway,):
+                seq = 0
+                while not stream(gateway).batches:  # until the subscription is up
+                    publish(seq, stored(old_prompt, 1))
+                    seq += 1
+                    time.sleep(0.05)
+                publish(seq, stored(old_prompt, 1))  # the old engine's last batches
+                wait_for(lambda: stream(gateway).indexed_through == seq + 1, what="old batches")
+                assert predicted(gateway, old_prompt) == 512
+                publish(0, stored(new_prompt, 2))  # the new engine's first batch
+                wait_for(lambda: stream(gateway).restarts == 1, what="the restart seen")
+                wait_for(lambda: stream(gateway).indexed_through == 1, what="its batch indexed")
+                assert predicted(gateway, old_prompt) == 0
+                assert predicted(gateway, new_prompt) == 512
     finally:
         publisher.close(linger=0)
         context.term()
