@@ -330,9 +330,15 @@ class KVStreams:
         )
         state.restarts += 1
         self._resync(state)
+        self._deliver(self._indexed_anew, state)
         state.next_batch, state._promised, state._last_live = None, 0, -1
         if state.on_restart is not None:
             self._deliver(state.on_restart)
+
+    @staticmethod
+    def _indexed_anew(state: StreamState) -> None:
+        """On the event loop, after the old engine's batches: none of the new one's yet."""
+        state.indexed_through = None
 
     def _resync(self, state: StreamState) -> None:
         """Forget what the replica held: its later events teach it again."""

@@ -13,6 +13,9 @@ half: their picks are as random, if not numpy's to the bit).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 _MASK32 = 0xFFFFFFFF
@@ -22,8 +25,19 @@ class Ties:
     """Uniform picks below ``n`` from one generator, as ``integers(n)`` makes them."""
 
     def __init__(self, rng: np.random.Generator) -> None:
+        self._bits = rng.bit_generator
         self._raw = rng.bit_generator.random_raw
         self._half: int | None = None  # numpy's spare 32 bits (``has_uint32``)
+
+    @property
+    def state(self) -> tuple[Mapping[str, Any], int | None]:
+        """The generator's state and the spare half: set it back to draw the same again
+        (as ``bit_generator.state`` is for numpy's own draws)."""
+        return self._bits.state, self._half
+
+    @state.setter
+    def state(self, state: tuple[Mapping[str, Any], int | None]) -> None:
+        self._bits.state, self._half = state
 
     def below(self, n: int) -> int:
         """What ``rng.integers(n)`` would return, for 1 <= n <= 2**32."""
@@ -51,6 +65,7 @@ class NumpyTies(Ties):
     (``power_of_two``'s pairs): numpy then keeps the one spare half, as before."""
 
     def __init__(self, rng: np.random.Generator) -> None:
+        super().__init__(rng)
         self._rng = rng
 
     def below(self, n: int) -> int:

@@ -74,7 +74,7 @@ def scenes(draw):
 def test_the_fleet_path_picks_a_replica_of_the_least_cost(scene, base, length):
     policy, fleet, _ = scene
     request = RoutingRequest("q", length, keys(BASES[base][:length]))
-    dice = policy.rng.bit_generator.state
+    dice = policy.ties.state
     chosen = policy.choose(request, fleet)
     matched = policy._matches(request, fleet)
     host = policy._host_matches(request, matched)
@@ -82,7 +82,7 @@ def test_the_fleet_path_picks_a_replica_of_the_least_cost(scene, base, length):
         costs = scan_costs(policy, request, fleet)
         assert costs[fleet.index(chosen)] == min(costs)
     # The very replica of the scan, ties included (the same draw breaks them).
-    policy.rng.bit_generator.state = dice
+    policy.ties.state = dice
     popular = policy.popular_tokens(request)
     assert chosen is policy._choose_by_scan(request, fleet, matched, host, popular)
 

@@ -30,6 +30,7 @@ from tests.shared import (
     prefix_router,
     vllm_backend,
     vllm_servers,
+    wait_for,
     wait_until_checked,
 )
 
@@ -243,6 +244,47 @@ def test_a_gateway_that_joins_late_learns_vllms_cache_from_its_replay_socket(
         backends = httpx.get(f"{url}/stats").json()["backends"]
         stream = next(b["kv_stream"] for b in backends if b["url"] == held.url)
         assert stream["replayed"] > 0
+
+
+def test_a_server_restarted_on_its_ports_is_forgotten_then_learned_from_its_new_events(
+    fresh, tiny_model, tmp_path
+):
+    """A restarted vLLM numbers its KV event batches from 0 again on the same socket: the
+    gateway drops what the old engine held (no prediction of it), checks the server
+    again, and believes the new engine's events (a prefix warmed straight on it is
+    predicted exactly, which only its events can tell)."""
+    restarted = fresh[0]
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
+        wait_until_checked(url, 2)
+        complete(restarted.url, tiny_model, text(6))
+        for _ in range(8):  # more batches than the new engine will have published
+            complete(restarted.url, tiny_model, text(6) + "bal")
+        warm = complete(url, tiny_model, text(6) + "kes")
+        assert warm.headers["x-prefix-router-replica"] == restarted.url
+        assert predicted(warm) == cached(warm) >= 1472
+        before = stream_of(url, restarted.url)["indexed_through"]
+        restarted.stop()
+        restarted.launch()
+        restarted.wait_ready()
+        complete(restarted.url, tiny_model, text(8))  # the new engine's first batch
+
+        def followed_anew() -> bool:  # the new engine's batches indexed, numbered anew
+            return 0 < (stream_of(url, restarted.url)["indexed_through"] or 0) < before
+
+        wait_for(followed_anew, 30, "the new engine's batches in the index")
+        assert stream_of(url, restarted.url)["restarts"] == 1
+        wait_until_checked(url, 2)  # checked again, as a new backend
+        old = complete(url, tiny_model, text(6) + "dit")
+        assert predicted(old) == cached(old) == 0  # the old engine's cache went with it
+        new = complete(url, tiny_model, text(8) + "mon")
+        assert new.headers["x-prefix-router-replica"] == restarted.url
+        assert predicted(new) == cached(new) >= 1472
+
+
+def stream_of(gateway: str, backend: str) -> dict:
+    backends = httpx.get(f"{gateway}/stats").json()["backends"]
+    return next(b["kv_stream"] for b in backends if b["url"] == backend)
 
 
 def test_calibrate_fits_a_vllm_server_and_reads_its_kv_pool(fresh, tmp_path):
