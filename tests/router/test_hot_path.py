@@ -18,8 +18,18 @@ from tests.shared import gateway_stats, in_flight, wait_for
 
 pytestmark = pytest.mark.slow
 
-BODY = {"model": DEFAULT_MODEL, "prompt": "The hot path. " * 30, "max_tokens": 3}
-CHAT = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi " * 40}]}
+#: Answers of exactly max_tokens (the simulated model may end one early otherwise).
+BODY = {
+    "model": DEFAULT_MODEL,
+    "prompt": "The hot path. " * 30,
+    "max_tokens": 3,
+    "ignore_eos": True,
+}
+CHAT = {
+    "model": DEFAULT_MODEL,
+    "messages": [{"role": "user", "content": "Hi " * 40}],
+    "ignore_eos": True,
+}
 
 
 @pytest.fixture(scope="module")
