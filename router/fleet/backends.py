@@ -39,6 +39,7 @@ from router.fleet.backend_check import (
     Verdict,
     check_credential,
 )
+from router.fleet.vllm_load import vllm_load
 from router.index.kv_subscriber import FollowedStream, KVStreams, StreamState
 
 #: How the router knows a backend's cache: from its events once they are checked
@@ -466,6 +467,8 @@ class BackendPool:
             return True  # its stream has a heartbeat: it speaks at least every 50 ms
         if stream is None and backend.healthy and backend.events_supported:
             return await self._follow_events(backend)
+        if backend.card is not None and backend.card.engine == "vllm":
+            return await self._read_vllm_load(backend)
         try:
             async with self.client.get(
                 f"{backend.url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
@@ -473,6 +476,33 @@ class BackendPool:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    async def _read_vllm_load(self, backend: Backend) -> bool:
+        """Probe a vLLM server by its ``/metrics``, whose gauges are its load
+        (router/fleet/vllm_load.py): its requests running and waiting, its KV cache in
+        use, its adapters; with the prompt tokens this gateway sent it that are not
+        computed yet (vLLM does not say)."""
+        read_at = time.time()  # the clock of dispatch times (router/path/accounting.py)
+        try:
+            async with self.client.get(
+                f"{backend.url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as response:
+                if response.status != 200:
+                    return False
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+        state = backend.state
+        prefilling = sum(
+            r.predicted_uncached_tokens
+            for r in state.in_flight.values()
+            if r.prefilling and r.dispatched_at <= read_at
+        )
+        blocks = backend.card.num_blocks if backend.card is not None else None
+        report = vllm_load(text, blocks, prefilling, read_at)
+        if report is not None:
+            load.reported(state, report)
+        return True
 
     async def _describe_again(self, backend: Backend) -> None:
         """Learn again what it serves (adapters are loaded and unloaded at run time)."""

@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -280,6 +281,37 @@ def test_a_server_restarted_on_its_ports_is_forgotten_then_learned_from_its_new_
         new = complete(url, tiny_model, text(8) + "mon")
         assert new.headers["x-prefix-router-replica"] == restarted.url
         assert predicted(new) == cached(new) >= 1472
+
+
+def test_a_servers_own_queue_is_read_from_its_metrics(fresh, tiny_model, tmp_path):
+    """vLLM pushes no load: the gateway reads its ``/metrics`` gauges. Requests sent
+    straight to one server, which the gateway never saw, count in that server's load,
+    and a new prompt goes to the other."""
+    busy, idle = fresh
+    backends = [vllm_backend(s) for s in fresh]
+    with gateway(tmp_path / "log", backends, *matching(tiny_model, "--stride", "1")) as url:
+        wait_until_checked(url, 2)
+        body = {"model": str(tiny_model), "max_tokens": 400, "ignore_eos": True}
+        with ThreadPoolExecutor(6) as pool:
+            straight = [
+                pool.submit(
+                    httpx.post,
+                    f"{busy.url}/v1/completions",
+                    timeout=120,
+                    json={**body, "prompt": text(20 + i, 200)},
+                )
+                for i in range(6)
+            ]
+
+            def load_of(server: str) -> int:
+                stats = httpx.get(f"{url}/stats").json()["backends"]
+                return next(b["load_requests"] for b in stats if b["url"] == server)
+
+            wait_for(lambda: load_of(busy.url) >= 4, 30, "the busy server's own queue read")
+            assert load_of(idle.url) == 0
+            answer = complete(url, tiny_model, text(9))
+            assert answer.headers["x-prefix-router-replica"] == idle.url
+            assert all(f.result().status_code == 200 for f in straight)
 
 
 def stream_of(gateway: str, backend: str) -> dict:
