@@ -173,6 +173,6 @@ def rewritten(raw: bytes, ask_for_usage: bool, fields: dict[str, Any] | None) ->
         fields["stream_options"] = {"include_usage": True}
     if not fields:
         return raw
-    head = raw.rstrip()[:-1].rstrip()  # an object (envelope.read_body checked): less its "}"
+    head = raw.rstrip()[:-1].rstrip()  # an object (envelope.parse_body checked): less its "}"
     separator = b"" if head.endswith(b"{") else b","
     return head + separator + json.dumps(fields)[1:-1].encode() + b"}"
