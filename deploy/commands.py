@@ -1,5 +1,6 @@
 """The deployments' commands: ``replica``, ``gateway``, ``serve``, ``up``, ``status``,
-``down`` and ``tiny-model``, registered on the command line by ``prefix_router/cli.py``.
+``down``, ``serve-config`` (Ray Serve) and ``tiny-model``, registered on the command
+line by ``prefix_router/cli.py``.
 
 Flags and defaults come from the config dataclasses (see ``deploy/flags.py``). What
 starts Ray is imported only by the commands that need it, so ``replay`` starts fast.
@@ -39,6 +40,7 @@ def add_deploy_commands(commands: Any) -> None:
     add_gateway_parser(commands)
     add_serve_parser(commands)
     add_cluster_parsers(commands)
+    add_serve_config_parser(commands)
     add_tiny_model_parser(commands)
 
 
@@ -82,6 +84,70 @@ ADDRESS_HELP = (
     "the Ray cluster: auto (the one started on this machine) or the head's HOST:PORT; "
     "with Ray's token authentication the token is read from ~/.ray or RAY_AUTH_TOKEN"
 )
+
+
+def add_serve_config_parser(commands: Any) -> None:
+    from deploy.ray_serve.config import ROUTERS  # no Ray Serve: only the names
+
+    parser = commands.add_parser(
+        "serve-config",
+        help="write a Ray Serve config for our replicas routed by our policies, or run it",
+        description="A Serve config file (deploy/ray_serve/): our simulated engines as a "
+        "Serve deployment, behind an OpenAI-compatible ingress, routed by prefix-router's "
+        "request router (or Serve's, to compare). Run it with `serve run FILE`, or deploy "
+        "it onto a `ray start` cluster with `serve deploy FILE`.",
+    )
+    parser.add_argument("--router", choices=list(ROUTERS), default="prefix")
+    parser.add_argument(
+        "--replicas", type=int, default=2, help="engines (the least, with --max-replicas)"
+    )
+    parser.add_argument(
+        "--max-replicas",
+        type=int,
+        default=0,
+        help="let Serve's autoscaler grow the engines up to this many (default: a fixed count)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Serve's HTTP proxy's address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("-o", "--output", default="-", help="the file to write (default: stdout)")
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        dest="run_it",
+        help="then run it in the foreground (`serve run FILE`)",
+    )
+    add_config_flags(parser, GatewayConfig)
+    add_config_flags(parser, ReplicaConfig, prefix="replica-", skip=SHARED_WITH_REPLICAS)
+    parser.set_defaults(run=run_serve_config)
+
+
+def run_serve_config(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from deploy.ray_serve.config import ServeApp
+
+    app = ServeApp(
+        router=args.router,
+        router_kwargs=config_overrides(args, GatewayConfig) if args.router == "prefix" else {},
+        engine=config_overrides(args, ReplicaConfig, prefix="replica_"),
+        replicas=args.replicas,
+        autoscaling={"max_replicas": args.max_replicas} if args.max_replicas else {},
+        host=args.host,
+        port=args.port,
+    )
+    if args.output == "-" and not args.run_it:
+        sys.stdout.write(app.yaml())
+        return 0
+    path = args.output
+    if path == "-":
+        path = os.path.join(tempfile.mkdtemp(prefix="prefix-router-serve-"), "serve_config.yaml")
+    Path(path).write_text(app.yaml())
+    print(f"serve-config: wrote {path}", file=sys.stderr)
+    if not args.run_it:
+        return 0
+    serve = os.path.join(os.path.dirname(sys.executable), "serve")
+    os.execv(serve, [serve, "run", path])  # Serve's own command, in the foreground
 
 
 def add_cluster_parsers(commands: Any) -> None:

@@ -53,6 +53,10 @@ from router.policies import Policy, make_policy
 from router.stats import GatewayStats, HotSetStats
 
 
+class NoBackends(Exception):
+    """The gateway has no backend to route to (503)."""
+
+
 class Gateway:
     """One gateway's routing state and its request path. ``client``: the pooled session
     for the backends' health, statistics and events; ``upstream``: the request path's
@@ -94,6 +98,7 @@ class Gateway:
         self.keys = keys or ApiKeys({})
         # the fleet's token on every request: replicas answer only their fleet
         self.upstream = upstream or Client(timeouts(config), bearer(fleet_token))
+        self.settlement = Settlement(self.accounting, self.queue)
         self.resolver, self.admitter, self.placer, self.dispatcher = self._stages(fair)
 
     def _pool(self, client: aiohttp.ClientSession) -> BackendPool:
@@ -122,11 +127,28 @@ class Gateway:
         )
         admitter = Admitter(config, self.queue, pool, models)
         placer = Placer(models, pool, self.salts, accounting, fair)
-        dispatcher = Dispatcher(self.upstream, pool, Settlement(accounting, self.queue))
+        dispatcher = Dispatcher(self.upstream, pool, self.settlement)
         return resolver, admitter, placer, dispatcher
 
     async def handle(self, request: envelope.Inbound, path: str, chat: bool) -> Response:
         """One completion request, through the stages (see the module's doc)."""
+        try:
+            ticket, candidates = await self.admitted(request, path, chat)
+        except NoBackends as error:
+            return error_response(str(error), 503)
+        except Overloaded as error:
+            headers = {"retry-after": str(error.retry_after_s)}
+            return error_response(str(error), 429, headers)
+        return await self._with_retries(ticket, candidates)
+
+    async def admitted(
+        self, request: envelope.Inbound, path: str, chat: bool
+    ) -> tuple[Ticket, list[ReplicaState]]:
+        """The stages before placement: the request's ticket and the replicas with a slot
+        for it. Raises ``Unauthorized`` (401), ``api.Rejected`` (413, 400, 404),
+        :class:`NoBackends` (503) and ``Overloaded`` (429). A router that sends the
+        request itself (Ray Serve's: deploy/ray_serve/) places it next with
+        ``placer.place`` and settles it with ``settlement.ended``."""
         tenant = self.keys.tenant(request.headers.get("authorization"))  # 401 before any work
         name = tenant.name if tenant else None
         limit = self.config.max_prompt_tokens or self.pool.max_model_len
@@ -134,14 +156,10 @@ class Gateway:
         read = await envelope.read(request, path, chat, limits, self.tokenizer, name)
         ticket = self.resolver.resolve(read, tenant)
         if not self.pool.backends:
-            return error_response("no backends to route to", 503)
-        try:
-            candidates = await self.admitter.admit(ticket.request)
-        except Overloaded as error:
-            headers = {"retry-after": str(error.retry_after_s)}
-            return error_response(str(error), 429, headers)
+            raise NoBackends("no backends to route to")
+        candidates = await self.admitter.admit(ticket.request)
         self.accounting.overhead.observe(time.perf_counter() - read.received)
-        return await self._with_retries(ticket, candidates)
+        return ticket, candidates
 
     async def _with_retries(self, ticket: Ticket, candidates: list[ReplicaState]) -> Response:
         """Place and send; after a failed try, place again among the replicas not

@@ -93,7 +93,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _client(config, fleet_token) as client:
+        async with backend_session(config, fleet_token) as client:
             gateway = app.state.gateway = Gateway(
                 config, client, keys, secret=secret, fleet_token=fleet_token
             )
@@ -168,7 +168,7 @@ class GatewayApp(FastAPI):
             return unauthorized(error)
 
 
-def _client(config: GatewayConfig, fleet_token: str) -> aiohttp.ClientSession:
+def backend_session(config: GatewayConfig, fleet_token: str) -> aiohttp.ClientSession:
     """One pooled session for the backends' health, statistics and events (carrying
     the fleet's token: the replicas answer only their fleet)."""
     timeout = aiohttp.ClientTimeout(

@@ -1,0 +1,149 @@
+"""prefix-router's policies as a Ray Serve request router.
+
+Ray Serve runs a request router in every handle and proxy that calls a deployment
+(``RequestRouterConfig(request_router_class=...)``) and asks it, request by request,
+to rank the deployment's replicas (``choose_replicas``). This one ranks them as our
+gateway would route them, because it *is* our gateway's request path without its HTTP
+ends: each router holds a :class:`~router.gateway.Gateway` whose backends are the
+deployment's replicas (their own servers' URLs, which each replica says once in
+``record_replica_metadata``), so it reads their cards, checks them, follows their KV
+events and load reports, tokenizes and keys the prompt, admits and places it exactly
+as the gateway does. Serve then sends the request to the chosen replica over its own
+channel, and tells the router when it ends (``on_request_completed``), which settles
+its load.
+
+Several routers (one per ingress replica, per proxy) keep one index each, fed by the
+same KV events: they agree on what each replica holds, as several gateways do. A
+replica that Serve adds joins the pool at the next decision; one it removes is
+forgotten.
+
+What differs from the gateway: the router does not see the answer, so it learns the
+cached tokens from the KV events alone (no correction from ``usage``), and a request's
+prefill load is released when it ends rather than at its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deploy.flags import with_overrides
+from deploy.ray_serve import registry
+from deploy.ray_serve.calls import CompletionCall
+from replica.api import openai as api
+from replica.api.fleet_token import fleet_token
+from router.config import GatewayConfig
+from router.core import RoutingRequest
+from router.fair.admission import Overloaded
+from router.fair.tenants import Unauthorized
+from router.gateway import Gateway, NoBackends
+from router.http.app import backend_session
+from router.path.place import Placement
+
+log = logging.getLogger(__name__)
+
+#: How long the first decision waits for the replicas to say what they are.
+JOIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Placed:
+    request: RoutingRequest
+    placement: Placement
+
+
+class PrefixRequestRouter(RequestRouter):
+    """Ranks a deployment's replicas with a prefix-router policy (``cache_aware`` by
+    default). ``request_router_kwargs``: ``policy`` and any other field of
+    :class:`~router.config.GatewayConfig` by name."""
+
+    def initialize_state(self, policy: str = "cache_aware", **config: Any) -> None:
+        unknown = sorted(set(config) - {f.name for f in fields(GatewayConfig)})
+        if unknown:
+            raise ValueError(f"unknown request_router_kwargs: {', '.join(unknown)}")
+        # nested settings as the config file spells them: routing: {cache_aware: {...}}
+        self.config = with_overrides(GatewayConfig(policy=policy), config)
+        self.gateway: Gateway | None = None
+        self._starting = asyncio.Lock()
+        #: Placed and not ended, by Serve's internal request id.
+        self._placed: dict[str, _Placed] = {}
+        registry.LIVE_ROUTERS[self._deployment_id.name] = self
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        call = pending_request.args[0] if pending_request and pending_request.args else None
+        if not isinstance(call, CompletionCall) or not candidate_replicas:
+            return [candidate_replicas]  # nothing to route by: Serve's choice among them
+        assert pending_request is not None
+        gateway = await self._ready()
+        request_id = pending_request.metadata.internal_request_id
+        self._settle(request_id)  # chosen before, not taken (that replica was full)
+        try:
+            ticket, admitted = await gateway.admitted(call, call.path, call.chat)
+        except (api.Rejected, Unauthorized, Overloaded, NoBackends):
+            return [candidate_replicas]  # the replica answers it as it would alone
+        by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
+        states = [state for state in admitted if state.replica_id in by_id]
+        if not states:
+            return [candidate_replicas]
+        placement = gateway.placer.place(ticket.request, states)
+        self._placed[request_id] = _Placed(ticket.request, placement)
+        return [[by_id[placement.backend.state.replica_id]]]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        placed = self._placed.get(internal_request_id)
+        if placed is not None and placed.placement.backend.state.replica_id == (
+            replica_id.to_full_id_str()
+        ):
+            self._settle(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if self.gateway is not None:
+            self._follow(self.gateway)
+
+    def _settle(self, request_id: str) -> None:
+        placed = self._placed.pop(request_id, None)
+        if placed is not None and self.gateway is not None:
+            self.gateway.settlement.ended(placed.request, placed.placement, None, failed=False)
+
+    async def _ready(self) -> Gateway:
+        """The gateway, made on the first decision (on Serve's event loop, where its
+        pool's tasks then run), with the replicas joined."""
+        async with self._starting:
+            if self.gateway is None:
+                token = fleet_token(self.config.fleet_token_file)
+                client = backend_session(self.config, token)
+                gateway = Gateway(self.config, client, fleet_token=token)
+                self._follow(gateway)
+                await gateway.pool.learned(JOIN_TIMEOUT_S)
+                self.gateway = gateway
+            return self.gateway
+
+    def _follow(self, gateway: Gateway) -> None:
+        """Make the pool's backends the deployment's replicas."""
+        pool = gateway.pool
+        current = {
+            replica.replica_id.to_full_id_str(): replica.replica_metadata.get("url")
+            for replica in self._replicas_list
+        }
+        for replica_id, url in current.items():
+            if url and replica_id not in {b.state.replica_id for b in pool.backends}:
+                pool.add(url, replica_id=replica_id)
+        for backend in pool.backends:
+            if backend.state.replica_id not in current:
+                self._event_loop.create_task(self._forget(gateway, backend.state.replica_id))
+
+    @staticmethod
+    async def _forget(gateway: Gateway, replica_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await gateway.pool.remove(replica_id)
+        log.info("replica %s left the deployment: forgotten", replica_id)

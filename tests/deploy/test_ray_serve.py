@@ -1,0 +1,113 @@
+"""Our replicas as a Ray Serve application, routed by our policies inside Serve
+(deploy/ray_serve/), on a local Ray (`serve deploy` onto a `ray start` cluster:
+test_ray_serve_cluster.py)."""
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deploy.local import start_local_ray
+from deploy.processes import free_port
+from deploy.ray_serve.app import build_app
+from tests.shared import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+APP = "prefix-router-test"
+#: A system prompt of 62 blocks of the simulated tokenizer (4 bytes a token, 16 a block).
+SYSTEM = "You answer questions about caches. " * 113
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[str]:
+    """A local Ray with Serve's HTTP proxy on a loopback port; its URL; both stopped
+    however the tests end."""
+    start_local_ray(num_cpus=2)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(replicas: int, router: str = "prefix", **autoscaling: Any) -> None:
+    """Our application with ``replicas`` engines (as many as Serve's autoscaler wants
+    from there, with ``autoscaling``)."""
+    args = {"replicas": replicas, "router": router, "autoscaling": autoscaling}
+    serve.run(build_app({**args, "engine": {"speedup": 100.0}}), name=APP, route_prefix="/")
+
+
+def chat(client: httpx.Client, system: str, question: str) -> int:
+    """One chat; the prompt tokens the engine found cached."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def backends(client: httpx.Client) -> dict[str, int]:
+    """The engines our request router routes to, by Serve replica id: their requests."""
+    stats = client.get("/stats")
+    assert stats.status_code == 200, stats.text
+    return {b["replica_id"]: b["dispatched"] for b in stats.json()["backends"]}
+
+
+def test_a_warmed_prefix_goes_to_the_replica_that_holds_it(proxy):
+    deploy(replicas=3)
+    with httpx.Client(base_url=proxy, timeout=60) as client:
+        assert chat(client, SYSTEM, "first?") == 0
+        warmed = backends(client)
+        holder = max(warmed, key=lambda replica: warmed[replica])
+        cached = [chat(client, SYSTEM, f"question {i}?") for i in range(8)]
+        # Serve's own router would send two in three of them elsewhere, cached nowhere
+        assert min(cached) >= 16 * 62, cached
+        after = backends(client)
+        assert after[holder] - warmed[holder] == 8
+        assert len(client.get("/engines").json()) == 3  # each engine's own server
+    serve.delete(APP)
+
+
+def test_an_engine_serve_adds_is_routed_to_and_one_it_removes_is_forgotten(proxy):
+    # Serve's autoscaler, made quick: more than 2 requests at once on an engine adds one
+    quick = {"upscale_delay_s": 0, "downscale_delay_s": 2, "look_back_period_s": 1}
+    deploy(replicas=1, max_replicas=3, target_ongoing_requests=2, metrics_interval_s=0.5, **quick)
+    with httpx.Client(base_url=proxy, timeout=60) as client:
+        chat(client, SYSTEM, "warm the router")
+        first = set(backends(client))
+        assert len(first) == 1
+
+        def long_answers(n: int) -> None:
+            # at 100x, 400 tokens take about 0.5 s each: the requests overlap
+            body = {"prompt": SYSTEM + str(n), "max_tokens": 400, "ignore_eos": True}
+            with httpx.Client(base_url=proxy, timeout=60) as own:
+                assert own.post("/v1/completions", json=body).status_code == 200
+
+        def added_engine_routed() -> bool:
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(long_answers, range(16)))
+            routed = backends(client)
+            return any(n for replica, n in routed.items() if replica not in first)
+
+        wait_for(added_engine_routed, timeout_s=120, what="an engine Serve added, routed to")
+        # idle: Serve removes the added engines; the router forgets them
+        wait_for(lambda: len(backends(client)) == 1, timeout_s=120, what="the engines forgotten")
+        assert chat(client, SYSTEM, "still served?") >= 0
+    serve.delete(APP)
+
+
+def test_serve_llms_and_serves_own_routers_run_the_same_application(proxy):
+    """The comparison's other two routers, on the same application: every request
+    answered (the bench measures how well they route)."""
+    with httpx.Client(base_url=proxy, timeout=60) as client:
+        for router in ("pow2", "prefix_affinity"):
+            deploy(replicas=2, router=router)
+            assert [chat(client, SYSTEM, f"q{i}") >= 0 for i in range(3)] == [True] * 3
+            assert client.get("/stats").status_code == 404  # not ours: nothing to show
+            serve.delete(APP)
