@@ -149,7 +149,10 @@ class BenchOptions:
         metadata=helped(
             f"comma-separated (default: {','.join(BenchConfig().policies)}); "
             f"{sglang.LABEL}: SGLang's router in front of the same replicas; "
-            f"{vllm_router.LABEL}: vLLM's router in P/D mode in front of them (--prefill)"
+            f"{vllm_router.LABEL}: vLLM's router in P/D mode in front of them (--prefill); "
+            "serve_pow2, serve_prefix_affinity, serve_POLICY: a Ray Serve application of "
+            "as many engines, routed by Serve's default router, Ray Serve LLM's "
+            "PrefixCacheAffinityRouter or ours with POLICY (loadtest/ray_serve.py)"
         ),
     )
     with_sglang: bool = field(

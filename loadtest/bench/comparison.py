@@ -7,13 +7,13 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import sglang, vllm_router
+from loadtest import ray_serve, sglang, vllm_router
 from loadtest.bench.config import BenchConfig
 from loadtest.bench.locust_run import LocustRun, run_locust
 from loadtest.bench.prediction import add_prediction, predict
 from loadtest.bench.prepare import reset, switch_policy
 from loadtest.bench.rows import live_row, snapshot
-from loadtest.bench.targets import Fleet, discover
+from loadtest.bench.targets import Fleet, discover, replica_config
 from loadtest.report import Row
 from loadtest.timeline import Timeline
 from loadtest.workloads import Workload
@@ -37,6 +37,8 @@ def compare(
                 row, run = run_behind_sglang(client, config, fleet, workload, out)
             elif label == vllm_router.LABEL and fleet.ours:
                 row, run = run_behind_vllm_router(client, config, fleet, workload, out)
+            elif ray_serve.is_serve(label):
+                row, run = run_in_ray_serve(client, config, fleet, label, workload, out)
             else:
                 row, run = run_policy(client, config, fleet, label, workload, out)
             rows.append(row)
@@ -109,3 +111,27 @@ def run_behind_vllm_router(
     log = out / f"{vllm_router.LABEL}.log"
     with vllm_router.vllm_router(prefill, decode, log=log, api_key=fleet.token) as router:
         return run_policy(client, config, fleet.behind(router), vllm_router.LABEL, workload, out)
+
+
+def run_in_ray_serve(
+    client: httpx.Client,
+    config: BenchConfig,
+    fleet: Fleet,
+    label: str,
+    workload: Workload,
+    out: Path,
+) -> tuple[Row, LocustRun]:
+    """The same run through a Ray Serve application of as many engines, configured as
+    the fleet's replicas are, started for this row and stopped after it
+    (loadtest/ray_serve.py)."""
+    engines = [c for c in fleet.replicas.values() if c]
+    if fleet.stats is None or len(engines) != len(fleet.replicas):
+        raise ValueError(
+            f"{label}: a Ray Serve row runs engines like the bench's own simulated "
+            "replicas (an embedded deployment or our gateway in front of ours)"
+        )
+    app = ray_serve.application(label, engines[0], len(engines), fleet.stats.config)
+    print(f"bench: starting Ray Serve with {app.replicas} engines for {label}…", file=sys.stderr)
+    with ray_serve.running(app, out / label / "serve") as (url, engine_urls):
+        served = Fleet([url], None, {u: replica_config(client, u) for u in engine_urls})
+        return run_policy(client, config, served, label, workload, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loadtest import sglang
+from loadtest import ray_serve, sglang
 from loadtest.bench.config import BenchConfig
 from loadtest.bench.targets import Fleet
 from loadtest.replay import replay
@@ -27,6 +27,11 @@ def predict(config: BenchConfig, fleet: Fleet, policy: str, workload: Workload) 
         workload = retokenized(workload, load_tokenizer(*fleet.tokenizer))
     if policy == sglang.LABEL:  # SGLang's router: our re-implementation of its algorithm
         policy = sglang.REPLAYED_AS
+    elif ray_serve.is_serve(policy):  # a router inside Ray Serve: the policy it runs, if ours
+        replayed = ray_serve.replayed_as(policy)
+        if replayed is None:
+            return None
+        policy = replayed
     elif policy not in POLICIES:  # a label: only a lone server is predictable, any policy
         if twin.replicas > 1:
             return None

@@ -188,7 +188,7 @@ def discover(
     every = [gateway_stats(client, url) for url in gateways]
     stats = every[0]
     if stats is None or None in every:  # not ours: servers (ours, vLLM, SGLang) or routers
-        replicas = {url: _replica_config(client, url) for url in gateways}
+        replicas = {url: replica_config(client, url) for url in gateways}
         return Fleet(gateways, None, replicas, token, api_key=token)
     deadline = time.monotonic() + checks_s
     while any(b.routing_mode == "checking" for g in every if g for b in g.backends):
@@ -199,7 +199,7 @@ def discover(
         every = [gateway_stats(client, url) for url in gateways]
     stats = every[0] or stats
     urls = [b.url for b in stats.backends]
-    return Fleet(gateways, stats, {url: _replica_config(client, url) for url in urls}, token)
+    return Fleet(gateways, stats, {url: replica_config(client, url) for url in urls}, token)
 
 
 def check_reachable(client: httpx.Client, url: str) -> None:
@@ -227,7 +227,7 @@ def replica_stats(client: httpx.Client, url: str) -> ReplicaStats | None:
     return None
 
 
-def _replica_config(client: httpx.Client, url: str) -> ReplicaConfig | None:
+def replica_config(client: httpx.Client, url: str) -> ReplicaConfig | None:
     stats = replica_stats(client, url)
     return stats.config if stats else None
 

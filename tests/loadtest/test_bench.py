@@ -142,6 +142,29 @@ def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):
 
 
 @pytest.mark.ray
+def test_bench_puts_ray_serves_routers_and_ours_inside_serve_beside_our_gateway(tmp_path):
+    replica = ["replica", "--speedup", "4", "--num-blocks", "512"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with running(gateway) as (url,):
+            policies = "cache_aware,serve_pow2,serve_cache_aware"
+            done = bench(tmp_path, "--gateway", url, "--policies", policies)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting Ray Serve with 2 engines for serve_cache_aware" in done.stderr
+    # Each Serve row ran engines like the gateway's replicas, on a Ray of its own, and
+    # its twin (Serve's default as our power of two, ours as its policy) agreed with it.
+    rows = check_report(tmp_path, policies.split(","))
+    assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
+    config = (tmp_path / "serve_cache_aware" / "serve" / "serve_config.yaml").read_text()
+    assert "router: prefix" in config and "policy: cache_aware" in config
+    assert not [  # `serve run` stopped after its row
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+@pytest.mark.ray
 def test_bench_runs_its_own_embedded_deployment_with_two_gateways_and_stops_it(tmp_path):
     fleet = shlex.split("--replicas 2 --gateways 2 --replica-speedup 4")
     done = bench(tmp_path, *fleet, "--policies", "cache_aware", "--no-replay")
