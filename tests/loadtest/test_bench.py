@@ -157,11 +157,13 @@ def test_bench_puts_ray_serves_routers_and_ours_inside_serve_beside_our_gateway(
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
     config = (tmp_path / "serve_cache_aware" / "serve" / "serve_config.yaml").read_text()
     assert "router: prefix" in config and "policy: cache_aware" in config
-    assert not [  # `serve run` stopped after its row
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]
+    assert (
+        not [  # `serve run` stopped after its row
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+        ]
+    )
 
 
 @pytest.mark.ray
