@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-vllm test lint browser bench fleet clean
+.PHONY: install demo demo-vllm demo-serve test lint browser bench fleet clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ DEMO_FLAGS := --policies round_robin,sglang_router,cache_aware --replica-speedup
 	--chat-session-rate 5 --chat-reply-tokens 60 --users 128
 demo: $(INSTALLED)
 	$(BIN)/prefix-router bench $(DEMO_FLAGS) --out reports/bench
+
+# The same load through Ray Serve (deploy/ray_serve/): our gateway's rows, then a Serve
+# application of 4 engines like its replicas per router: Serve's default, Ray Serve LLM's
+# PrefixCacheAffinityRouter, and ours inside Serve. About 10 minutes; in reports/bench-serve.
+SERVE_ROWS := serve_pow2,serve_prefix_affinity,serve_cache_aware
+SERVE_DEMO_FLAGS := --policies round_robin,sglang_router,cache_aware,$(SERVE_ROWS) \
+	--replica-speedup 0.25 --chat-session-rate 5 --chat-reply-tokens 60 --users 128
+demo-serve: $(INSTALLED)
+	$(BIN)/prefix-router bench $(SERVE_DEMO_FLAGS) --out reports/bench-serve
 
 # The same comparison on real engines: 2 vLLM servers (vLLM's CPU build, each on a core
 # of its own, as each would have a GPU of its own) serving the small Llama that
