@@ -4,14 +4,14 @@
     prefix-router serve-config --replicas 4 --run         # writes such a file and runs it
 
 Two deployments: ``OpenAIIngress``, an OpenAI-compatible ingress (``/v1/completions``,
-``/v1/chat/completions``, ``/stats``, ``/engines``, ``/health``) that Serve's HTTP
-proxy calls; and ``PrefixEngine``, our simulated engine, one replica per engine, that
-Serve places, scales (``autoscaling_config``) and restarts. The ingress calls the
-engine deployment through a handle whose request router is the application's
-``router`` argument (``ROUTERS`` in deploy/ray_serve/config.py): ours (``prefix``,
-deploy/ray_serve/request_router.py), Serve's default (``pow2``, power of two choices)
-or Ray Serve LLM's ``PrefixCacheAffinityRouter`` (``prefix_affinity``), so the three
-compare on one application.
+``/v1/chat/completions``, ``/stats``, ``/dashboard``, ``/engines``, ``/health``) that
+Serve's HTTP proxy calls; and ``PrefixEngine``, our simulated engine, one replica per
+engine, that Serve places, scales (``autoscaling_config``) and restarts. The ingress
+calls the engine deployment through a handle whose request router is the
+application's ``router`` argument (``ROUTERS`` in deploy/ray_serve/config.py): ours
+(``prefix``, deploy/ray_serve/request_router.py), Serve's default (``pow2``, power of
+two choices) or Ray Serve LLM's ``PrefixCacheAffinityRouter`` (``prefix_affinity``),
+so the three compare on one application.
 
 Each engine replica runs the replica's own HTTP server in its process (as a Ray actor
 does in deploy/replicas.py) and relays to it the completions Serve sends: so its KV
@@ -27,7 +27,8 @@ from typing import Any, cast
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.experimental import internal_kv
 from ray.serve.config import RequestRouterConfig
@@ -37,9 +38,9 @@ from deploy.ray_serve import registry
 from deploy.ray_serve.calls import CompletionCall
 from deploy.ray_serve.config import ENGINE, INGRESS, ROUTERS, ServeApp
 from deploy.replicas import SimReplica
-from replica.api import stats as stats_codec
 from replica.api.config import ReplicaConfig
 from replica.api.fleet_token import bearer, fleet_token
+from router.http.dashboard import STATIC
 
 #: Where each engine replica writes its server's URL (a namespace of Ray's key-value
 #: store), by application and replica.
@@ -95,6 +96,7 @@ class EngineReplica:
 
 
 ingress_app = FastAPI(title="prefix-router on Ray Serve")
+ingress_app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
 
 @serve.ingress(ingress_app)
@@ -125,7 +127,20 @@ class OpenAIIngress:
         router = registry.LIVE_ROUTERS.get(ENGINE)
         if router is None or router.gateway is None:
             return JSONResponse({"error": "no prefix-router decision here yet"}, 404)
-        return JSONResponse(stats_codec.encode(router.gateway.stats()))
+        return JSONResponse(await router.stats())
+
+    @ingress_app.get("/dashboard", include_in_schema=False)
+    async def dashboard(self) -> Response:
+        """The gateway's dashboard, drawn from this ingress replica's request router."""
+        return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
+
+    @ingress_app.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_data(self, since: float = 0.0, text: bool = False) -> Response:
+        router = registry.LIVE_ROUTERS.get(ENGINE)
+        if router is None or router.gateway is None:
+            return JSONResponse({"error": "no prefix-router decision here yet"}, 404)
+        view = await router.dashboard_view(since, text)
+        return JSONResponse(view, headers={"cache-control": "no-store"})
 
     @ingress_app.get("/engines")
     async def engines(self) -> list[str]:

@@ -25,10 +25,14 @@ prefill load is released when it ends rather than at its first token.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -36,6 +40,7 @@ from deploy.flags import with_overrides
 from deploy.ray_serve import registry
 from deploy.ray_serve.calls import CompletionCall
 from replica.api import openai as api
+from replica.api import stats as stats_codec
 from replica.api.fleet_token import fleet_token
 from router.config import GatewayConfig
 from router.core import RoutingRequest
@@ -43,9 +48,12 @@ from router.fair.admission import Overloaded
 from router.fair.tenants import Unauthorized
 from router.gateway import Gateway, NoBackends
 from router.http.app import backend_session
+from router.http.dashboard.history import History
+from router.http.dashboard.view import build, replica_figures
 from router.path.place import Placement
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long the first decision waits for the replicas to say what they are.
 JOIN_TIMEOUT_S = 30.0
@@ -72,6 +80,8 @@ class PrefixRequestRouter(RequestRouter):
         self._starting = asyncio.Lock()
         #: Placed and not ended, by Serve's internal request id.
         self._placed: dict[str, _Placed] = {}
+        #: The dashboard's charts over time, as the gateway's app keeps them.
+        self.history = History(self.config.dashboard)
         registry.LIVE_ROUTERS[self._deployment_id.name] = self
 
     async def choose_replicas(
@@ -109,6 +119,36 @@ class PrefixRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         if self.gateway is not None:
             self._follow(self.gateway)
+
+    async def stats(self) -> dict[str, Any]:
+        """The gateway's ``/stats``, read on this router's loop (from any other)."""
+        return await self._on_own_loop(self._stats)
+
+    async def dashboard_view(self, since: float, show_text: bool) -> dict[str, Any]:
+        """One refresh of the gateway's dashboard (``/dashboard/data``), made on this
+        router's loop, where the pool's session lives."""
+        return await self._on_own_loop(lambda: self._dashboard_view(since, show_text))
+
+    async def _stats(self) -> dict[str, Any]:
+        assert self.gateway is not None
+        encoded: dict[str, Any] = stats_codec.encode(self.gateway.stats())
+        return encoded
+
+    async def _dashboard_view(self, since: float, show_text: bool) -> dict[str, Any]:
+        gateway, board = self.gateway, self.config.dashboard
+        assert gateway is not None
+        replicas = await replica_figures(gateway, board.dashboard_replica_timeout_s)
+        shown = board.hot_prefixes_shown
+        view = build(gateway, self.history, replicas, time.time(), since, show_text, shown)
+        return dataclasses.asdict(view)
+
+    async def _on_own_loop(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Await ``work()`` run on this router's event loop: Serve runs routers on a loop
+        of their own, and the gateway's session and tasks belong to it."""
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
+            work(), self._event_loop
+        )
+        return await asyncio.wrap_future(future)
 
     def _settle(self, request_id: str) -> None:
         placed = self._placed.pop(request_id, None)

@@ -71,6 +71,11 @@ def test_a_warmed_prefix_goes_to_the_replica_that_holds_it(proxy):
         after = backends(client)
         assert after[holder] - warmed[holder] == 8
         assert len(client.get("/engines").json()) == 3  # each engine's own server
+        # the gateway's dashboard, drawn from this router: the 9 requests, where they went
+        assert "<html" in client.get("/dashboard").text.lower()
+        view = client.get("/dashboard/data").json()
+        assert view["requests"] == 9 and view["backends"] == 3
+        assert sum(r["dispatched"] for r in view["replicas"]) == 9
     serve.delete(APP)
 
 
