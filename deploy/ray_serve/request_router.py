@@ -106,6 +106,10 @@ class PrefixRequestRouter(RequestRouter):
             return [candidate_replicas]
         placement = gateway.placer.place(ticket.request, states)
         self._placed[request_id] = _Placed(ticket.request, placement)
+        # the client gone while Serve sends it: settled, as it will never end
+        pending_request.future.add_done_callback(
+            lambda routed: self._settle(request_id) if routed.cancelled() else None
+        )
         return [[by_id[placement.backend.state.replica_id]]]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
