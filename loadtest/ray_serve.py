@@ -40,9 +40,6 @@ SERVE_ROUTERS = {"serve_pow2": "pow2", "serve_prefix_affinity": "prefix_affinity
 #: What replays a row: Serve's default is our ``power_of_two`` (queue lengths, two
 #: choices); ours is its policy; Serve LLM's has no twin.
 REPLAYED_AS = {"serve_pow2": "power_of_two"}
-#: The engine's fields the application's engines take from the bench's replicas: all
-#: but where each runs (the application starts its own).
-SHARED_ENGINE_FIELDS = [f.name for f in dataclasses.fields(ReplicaConfig)]
 
 
 def is_serve(label: str) -> bool:
@@ -70,11 +67,10 @@ def application(
             raise ValueError(f"unknown Ray Serve row {label!r}: one of {known}")
         routing = dataclasses.asdict(gateway.routing)
         router, kwargs = "prefix", {"policy": policy, "routing": routing}
-    settings = dataclasses.asdict(engine)
     return ServeApp(
         router=router,
         router_kwargs=kwargs,
-        engine={name: settings[name] for name in SHARED_ENGINE_FIELDS},
+        engine=dataclasses.asdict(engine),
         replicas=replicas,
         port=free_port(),
     )
