@@ -54,6 +54,10 @@ def add_config_flags(
             action: Any = argparse.BooleanOptionalAction
             text = _escaped(doc) if doc else None
             group.add_argument(flag, dest=dest, action=action, default=None, help=text, **extra)
+        elif kind is tuple:
+            text = f"{_escaped(doc)} (repeatable)" if doc else "repeatable"
+            metavar = field.metadata.get("metavar", "VALUE")
+            group.add_argument(flag, dest=dest, action="append", metavar=metavar, help=text)
         else:
             shown = (
                 default
@@ -77,7 +81,7 @@ def config_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> d
             continue
         value = getattr(args, _dest(prefix, field.name), None)
         if value is not None:
-            values[field.name] = value
+            values[field.name] = tuple(value) if isinstance(value, list) else value
     return values
 
 
@@ -105,6 +109,8 @@ def config_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
         flag = f"--{prefix}{name.replace('_', '-')}"
         if isinstance(value, bool):
             flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple | list):
+            flags += [word for item in value for word in (flag, str(item))]
         else:
             flags += [flag, str(value)]
     return flags
@@ -123,7 +129,7 @@ def _scalar_fields(
         nested = _nested_type(field)
         if nested is not None:
             yield from _scalar_fields(nested, skip)
-        elif isinstance(field.default, SCALARS):
+        elif isinstance(field.default, (*SCALARS, tuple)):  # a tuple: a repeatable flag
             yield field, field.default, type(field.default), cls
         elif field.default is None:
             kinds = [k for k in typing.get_args(hints[field.name]) if k in SCALARS]

@@ -65,6 +65,10 @@ class GatewayConfig:
     #: its folder; ``chat_template``: a Jinja file or text replacing the tokenizer's.
     tokenizer: str = DEFAULT_TOKENIZER
     chat_template: str = field(default="", metadata={"derived": "the tokenizer's"})
+    #: Another model's tokenizer, as MODEL=TOKENIZER: its requests are tokenized with it
+    #: (by default, the one its replicas' cards name where this machine can read it;
+    #: router/fleet/tokenizers.py).
+    model_tokenizer: tuple[str, ...] = field(default=(), metadata={"metavar": "MODEL=TOKENIZER"})
     #: A Hugging Face tokenizer's cache of chats' pieces between special tokens, in
     #: tokens (0: none): a turn then tokenizes only its new messages
     #: (replica/api/token_cache.py; its size in ``/stats``).
@@ -159,6 +163,7 @@ class GatewayConfig:
             queue_timeout_s=self.queue_timeout_s,
         )
         check_fairness(self.fairness)
+        self.named_tokenizers()  # refused at start if malformed
         _at_least(
             0,
             fair_half_life_s=self.fair_half_life_s,
@@ -169,6 +174,16 @@ class GatewayConfig:
         # seconds are priced as the simulated replica runs, unless told otherwise
         engines = self.routing.for_engines(DEFAULT_PROFILE, ReplicaConfig.max_num_batched_tokens)
         object.__setattr__(self, "routing", engines)
+
+    def named_tokenizers(self) -> dict[str, str]:
+        """``model_tokenizer``'s entries, by model."""
+        named = {}
+        for entry in self.model_tokenizer:
+            model, sign, tokenizer = entry.partition("=")
+            if not (model and sign and tokenizer):
+                raise ValueError(f"--model-tokenizer {entry!r}: give MODEL=TOKENIZER")
+            named[model] = tokenizer
+        return named
 
     def configured_by(self, card: EngineCard, keep: Collection[str] = ()) -> GatewayConfig:
         """This configuration with what an engine says of itself (the model it serves,

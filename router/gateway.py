@@ -14,8 +14,9 @@ none calls back into the gateway:
 
 :meth:`Gateway.handle` composes them, and places a request again on another replica
 while a failed try has sent the client nothing. The gateway also owns what the
-stages share: the tokenizer, the prefix keys, one policy per model
-(``router/fleet/models.py``), the backends, the fair queue and the counters.
+stages share: a tokenizer per model (``router/fleet/tokenizers.py``), the prefix keys,
+one policy per model (``router/fleet/models.py``), the backends, the fair queue and the
+counters.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from router.fleet.backend_check import BackendCheck
 from router.fleet.backends import BackendPool
 from router.fleet.http_client import Client, Timeouts
 from router.fleet.models import ModelRoutes
+from router.fleet.tokenizers import ModelTokenizers
 from router.index.hot_prefixes import HotPrefixes
 from router.index.key_cache import PrefixKeyCache
 from router.path import envelope
@@ -75,9 +77,7 @@ class Gateway:
         self.config = config
         #: The fleet's secret that tenants' salts are keyed with (router/fair/tenants.py).
         self.secret = secret
-        self.tokenizer: Tokenizer = load_tokenizer(
-            config.tokenizer, config.chat_template, config.tokenizer_cache_tokens
-        )
+        self.tokenizers = self._tokenizers(config)
         routing = config.routing
         self.prefix_keys = PrefixKeyCache(
             routing.block_size, routing.index.stride, config.key_cache_tokens
@@ -101,12 +101,33 @@ class Gateway:
         self.settlement = Settlement(self.accounting, self.queue)
         self.resolver, self.admitter, self.placer, self.dispatcher = self._stages(fair)
 
+    @staticmethod
+    def _tokenizers(config: GatewayConfig) -> ModelTokenizers:
+        """The gateway's own tokenizer (with ``--chat-template``), the ones named per
+        model, and those its replicas' cards will name."""
+        cache_tokens = config.tokenizer_cache_tokens
+        own = load_tokenizer(config.tokenizer, config.chat_template, cache_tokens)
+        return ModelTokenizers(
+            own,
+            config.tokenizer,
+            config.model,
+            config.named_tokenizers(),
+            lambda name: load_tokenizer(name, cache_tokens=cache_tokens),
+        )
+
+    def tokenizer_of(self, name: object) -> Tokenizer:
+        """The tokenizer of the model (or adapter's base model) a request names."""
+        if not self.tokenizers.several:  # one for every model: no name to resolve
+            return self.tokenizers.default
+        served = self.models.resolve(name) if isinstance(name, str) else None
+        return self.tokenizers.of(served.model if served else None)
+
     def _pool(self, client: aiohttp.ClientSession) -> BackendPool:
         """The backends, each checked as it joins (unless told not to), their events and
         joins and leaves told to the models' policies."""
         config, routing = self.config, self.config.routing
         check = BackendCheck(
-            client, self.tokenizer, config.model, routing.block_size, routing.index.stride
+            client, self.tokenizers, config.model, routing.block_size, routing.index.stride
         )
         return BackendPool(
             client,
@@ -153,7 +174,7 @@ class Gateway:
         name = tenant.name if tenant else None
         limit = self.config.max_prompt_tokens or self.pool.max_model_len
         limits = envelope.Limits(self.config.max_request_bytes, limit or DEFAULT_MAX_PROMPT_TOKENS)
-        read = await envelope.read(request, path, chat, limits, self.tokenizer, name)
+        read = await envelope.read(request, path, chat, limits, self.tokenizer_of, name)
         ticket = self.resolver.resolve(read, tenant)
         if not self.pool.backends:
             raise NoBackends("no backends to route to")
@@ -236,8 +257,9 @@ class Gateway:
             self.policy_name, self.config, self.pool, self.queue, self.tenant_footprint()
         )
         stats = replace(stats, key_cache=self.prefix_keys.stats(), hot_sets=self.hot_sets())
-        if isinstance(self.tokenizer, HFTokenizer) and self.tokenizer.pieces is not None:
-            return replace(stats, tokenizer_cache=self.tokenizer.pieces.stats())
+        own = self.tokenizers.default  # (another model's: not shown)
+        if isinstance(own, HFTokenizer) and own.pieces is not None:
+            return replace(stats, tokenizer_cache=own.pieces.stats())
         return stats
 
 

@@ -41,6 +41,7 @@ from replica.api.fleet_token import ENV_FLEET_TOKEN
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE, WORDS, Message, Tokenizer
+from router.fleet.tokenizers import ModelTokenizers
 from router.index.event_keys import EventKeys
 
 log = logging.getLogger(__name__)
@@ -109,14 +110,14 @@ class BackendCheck:
     def __init__(
         self,
         client: aiohttp.ClientSession,
-        tokenizer: Tokenizer,
+        tokenizers: ModelTokenizers,
         model: str,
         block_size: int,
         stride: int,
         events_timeout_s: float = 5.0,
         answer_timeout_s: float = 120.0,
     ) -> None:
-        self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.client, self.tokenizers, self.model = client, tokenizers, model
         self.block_size, self.stride = block_size, stride
         self.events_timeout_s, self.answer_timeout_s = events_timeout_s, answer_timeout_s
 
@@ -149,14 +150,16 @@ class BackendCheck:
         unsaid = "block size (the engine does not say it; its events' blocks are checked)"
         said = unsaid if engine_block_size is None else None
         watch = CanaryWatch(EventKeys(self.model, self.block_size, self.stride))
+        engine_tokenizer = card.tokenizer if card else None
+        tokenizer = await self.tokenizers.learn(model, engine_tokenizer)
         try:
             reason, skipped = await self.tokenizer_difference(
-                url, model, card.tokenizer if card else None
+                url, model, tokenizer, engine_tokenizer
             )
             if reason:
                 return Verdict(False, reason)
             attach(watch)
-            reason, refused = await self.canary(url, model, watch, catch_up)
+            reason, refused = await self.canary(url, model, tokenizer, watch, catch_up)
         except NotOfItsFleet as error:
             return Verdict(False, str(error))
         finally:
@@ -173,23 +176,20 @@ class BackendCheck:
         )
 
     async def tokenizer_difference(
-        self, url: str, model: str, engine_tokenizer: str | None
+        self, url: str, model: str, tokenizer: Tokenizer, engine_tokenizer: str | None
     ) -> tuple[str | None, str | None]:
-        """What differs between the engine's tokens and ours, and a check skipped, if any."""
-        text = self.canary_text(np.random.default_rng(0))
+        """What differs between the engine's tokens and ``tokenizer``'s (its model's in
+        the gateway), and a check skipped, if any."""
+        text = self.canary_text(tokenizer, np.random.default_rng(0))
         pairs: list[tuple[str, dict[str, object], np.ndarray]] = [
-            ("completion", {"prompt": text}, self.tokenizer.encode(text))
+            ("completion", {"prompt": text}, tokenizer.encode(text))
         ]
         try:
-            chat = self.tokenizer.apply_chat_template(CANARY_CHAT)
+            chat = tokenizer.apply_chat_template(CANARY_CHAT)
             pairs.append(("chat", {"messages": list(CANARY_CHAT)}, chat))
         except ValueError as error:  # the gateway has no chat template
             return f"the gateway cannot render a conversation ({error})", None
-        fix = (
-            f"start the gateway with --tokenizer {engine_tokenizer}"
-            if engine_tokenizer
-            else "give the gateway the engine's tokenizer with --tokenizer"
-        )
+        fix = self._tokenizer_fix(model, engine_tokenizer)
         for kind, body, ours in pairs:
             theirs = await self._tokenize(url, {"model": model, **body})
             if theirs is None:
@@ -197,9 +197,19 @@ class BackendCheck:
             difference = _difference(ours.tolist(), theirs)
             if difference:
                 return f"it tokenizes a canary {kind} differently ({difference}): {fix}", None
-        return await self.arguments_difference(url, model)
+        return await self.arguments_difference(url, model, tokenizer)
 
-    async def arguments_difference(self, url: str, model: str) -> tuple[str | None, str | None]:
+    def _tokenizer_fix(self, model: str, engine_tokenizer: str | None) -> str:
+        """The flag that gives the gateway ``model``'s tokenizer."""
+        flag = "--tokenizer" if model == self.model else f"--model-tokenizer {model}="
+        spaced = "" if flag.endswith("=") else " "
+        if engine_tokenizer:
+            return f"start the gateway with {flag}{spaced}{engine_tokenizer}"
+        return f"give the gateway the engine's tokenizer with {flag}{spaced}PATH"
+
+    async def arguments_difference(
+        self, url: str, model: str, tokenizer: Tokenizer
+    ) -> tuple[str | None, str | None]:
         """What differs in the canary conversation with a tool and a template argument,
         once it agrees without them (so only their rendering can differ), and a check
         skipped: an engine whose template refuses tools has no such requests to route."""
@@ -215,7 +225,7 @@ class BackendCheck:
             return None, f"template arguments (the engine refuses a {ARGUMENTS_CHAT})"
         try:
             variables = tokenize_variables(body)
-            ours = self.tokenizer.apply_chat_template(CANARY_CHAT, variables=variables)
+            ours = tokenizer.apply_chat_template(CANARY_CHAT, variables=variables)
         except ValueError as error:
             return f"the gateway cannot render a canary {ARGUMENTS_CHAT} ({error}): {fix}", None
         difference = _difference(ours.tolist(), theirs)
@@ -234,14 +244,14 @@ class BackendCheck:
             tokens = (await response.json()).get("tokens")
         return [int(t) for t in tokens] if isinstance(tokens, list) else None
 
-    def canary_text(self, rng: np.random.Generator, nonce: str = "") -> str:
+    def canary_text(self, tokenizer: Tokenizer, rng: np.random.Generator, nonce: str = "") -> str:
         """Words of the simulated model's vocabulary, long enough to span
-        :data:`CANARY_STRIDES` router strides with the gateway's tokenizer; ``nonce``
-        first, so that no cache holds any of it."""
+        :data:`CANARY_STRIDES` router strides with ``tokenizer``; ``nonce`` first, so that
+        no cache holds any of it."""
         words = [int(w).to_bytes(4, "little").decode() for w in WORDS]
         wanted = CANARY_STRIDES * self.block_size * self.stride + 1
         count, text = wanted, ""
-        while len(self.tokenizer.encode(text)) < wanted:
+        while len(tokenizer.encode(text)) < wanted:
             text = f"canary {nonce} " + "".join(
                 words[i] for i in rng.integers(0, len(words), count)
             )
@@ -249,12 +259,17 @@ class BackendCheck:
         return text
 
     async def canary(
-        self, url: str, model: str, watch: CanaryWatch, catch_up: Callable[[], None]
+        self,
+        url: str,
+        model: str,
+        tokenizer: Tokenizer,
+        watch: CanaryWatch,
+        catch_up: Callable[[], None],
     ) -> tuple[str | None, str | None]:
         """Send a fresh canary prompt: what is wrong with the events it causes, if
         anything, and whether the check could not be made (the backend refused it)."""
-        text = self.canary_text(np.random.default_rng(), nonce=uuid.uuid4().hex)
-        tokens = self.tokenizer.encode(text)
+        text = self.canary_text(tokenizer, np.random.default_rng(), nonce=uuid.uuid4().hex)
+        tokens = tokenizer.encode(text)
         expected = set(
             prefix_keys(tokens[:-1], self.block_size, self.stride, identity_seed(self.model, None))
         )

@@ -29,6 +29,8 @@ class HotPrefix:
     requests: int
     stride_hashes: Sequence[int]
     tokens: np.ndarray
+    #: The model whose tokens they are (its tokenizer decodes them).
+    model: str | None = None
 
 
 class HotPrefixes:
@@ -37,14 +39,18 @@ class HotPrefixes:
         self._prefixes: dict[int, HotPrefix] = {}
         self._seen = 0
 
-    def record(self, stride_hashes: Sequence[int], prompt: np.ndarray) -> None:
-        """One request whose prompt has these identities (none: shorter than a stride)."""
+    def record(
+        self, stride_hashes: Sequence[int], prompt: np.ndarray, model: str | None = None
+    ) -> None:
+        """One request whose prompt, for ``model``, has these identities (none: shorter
+        than a stride)."""
         if not stride_hashes:
             return
         prefix = self._prefixes.get(stride_hashes[0])
         if prefix is None:  # the only copy, once per new prefix: its first tokens
             sample = prompt[: self._sample_tokens].copy()
-            self._prefixes[stride_hashes[0]] = HotPrefix(stride_hashes[0], 1, stride_hashes, sample)
+            hot = HotPrefix(stride_hashes[0], 1, stride_hashes, sample, model)
+            self._prefixes[stride_hashes[0]] = hot
         else:
             prefix.requests += 1
             prefix.stride_hashes = stride_hashes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,20 +85,24 @@ class Limits:
     max_prompt_tokens: int
 
 
+#: The tokenizer of the model a request names (its body's ``model``, as it came).
+TokenizerOf = Callable[[object], Tokenizer]
+
+
 async def read(
     request: Inbound,
     path: str,
     chat: bool,
     limits: Limits,
-    tokenizer: Tokenizer,
+    tokenizer_of: TokenizerOf,
     tenant: str | None = None,
 ) -> Envelope:
     """Read a completion request: 413 over the limits, 400 if its body is not a JSON
-    object; its prompt tokenized with the replicas' tokenizer and chat template (from
-    ``tenant``'s own cache of conversations' pieces)."""
+    object; its prompt tokenized with its model's replicas' tokenizer and chat template
+    (from ``tenant``'s own cache of conversations' pieces)."""
     received = time.perf_counter()
     raw, body = parse_body(await request.body(limits.max_request_bytes))
-    prompts = request_prompts(body, chat, tokenizer, tenant)
+    prompts = request_prompts(body, chat, tokenizer_of(body.get("model")), tenant)
     if prompts is not None:
         check_length(prompts, limits.max_prompt_tokens, "messages" if chat else "prompt")
     prompt = prompts[0] if prompts else None

@@ -105,7 +105,7 @@ class Resolver:
             self.salts.learn(cache_salt, tenant)
         routing = self.config.routing
         hashes = self.prefix_keys.keys(prompt, seed)
-        self.hot_prefixes.record(hashes, prompt)  # for the dashboard: one dict update
+        self.hot_prefixes.record(hashes, prompt, served.model)  # for the dashboard: a dict update
         affinity = affinity_key(prompt, routing.block_size, routing.index.stride, seed)
         return RoutingRequest(
             route_id(),

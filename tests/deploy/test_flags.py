@@ -37,9 +37,11 @@ def test_gateway_and_replay_share_one_policy_config():
 
 def test_config_flags_read_back_as_the_same_overrides():
     routing = {"index": {"stride": 2}, "cache_aware": {"cold_slack_tokens": 64.0}}
-    overrides = {"routing": routing, "max_retries": 0}
+    tokenizers = ("qwen=/models/qwen", "phi=/models/phi")  # a repeatable flag
+    overrides = {"routing": routing, "max_retries": 0, "model_tokenizer": tokenizers}
     args = gateway_args(*config_flags(overrides))
     assert config_overrides(args, GatewayConfig) == overrides
+    assert config_from_args(GatewayConfig, args).named_tokenizers()["phi"] == "/models/phi"
 
 
 def test_a_bad_value_is_refused_naming_the_field():

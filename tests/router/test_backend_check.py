@@ -181,7 +181,7 @@ async def _checked_late() -> None:
                 batches = replica_stats(replica).kv_event_batches
                 await awaited(lambda: indexed_through(backend) >= batches)
                 assert backend.routing_mode == "checking" and not backend.state.precise
-                keys = gateway.resolver.keyed(gateway.tokenizer.encode(PROMPT), None)
+                keys = gateway.resolver.keyed(gateway.tokenizers.default.encode(PROMPT), None)
                 index = gateway.models.policy().prefix_index()
                 assert index is not None and index.match(keys.stride_hashes) == {}
                 release.set()

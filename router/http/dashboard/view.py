@@ -433,7 +433,7 @@ def _hot_prefixes(gateway: Gateway, count: int, show_text: bool) -> list[HotPref
     stride = gateway.config.routing.stride_tokens
     views = []
     for prefix in gateway.hot_prefixes.top(count):
-        text = gateway.tokenizer.decode(prefix.tokens) if show_text else None
+        text = gateway.tokenizers.of(prefix.model).decode(prefix.tokens) if show_text else None
         holders = [h for index in indexes for h in _holders(index, prefix)] if indexes else None
         tokens = len(prefix.stride_hashes) * stride
         name = f"{prefix.leading:016x}"
