@@ -1,4 +1,4 @@
-"""Deployment onto a real `ray start --head` cluster, and onto two nodes."""
+"""Deployment onto a real `ray start --head` cluster (several nodes: test_cluster_nodes.py)."""
 
 import asyncio
 import json
@@ -15,14 +15,10 @@ import httpx
 import openai
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
-from deploy import cluster
 from deploy.names import NAMESPACE
 from deploy.processes import free_port
-from replica.api.config import ReplicaConfig
 from replica.api.fleet_token import bearer
-from router.config import GatewayConfig
 from tests.deploy.test_autoscale import burst_then_trickle
 from tests.loadtest.test_bench import TINY, check_report
 from tests.shared import (
@@ -238,50 +234,6 @@ def test_ray_restarts_a_dead_replica_and_the_gateway_readmits_it_and_a_killed_ga
     finally:
         ray.shutdown()
         prefix_router("down", "--address", "auto")
-
-
-def test_replicas_and_two_gateways_spread_over_the_nodes_of_a_two_node_cluster():
-    two_nodes = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "object_store_memory": 80 * 2**20,
-        },
-    )
-    two_nodes.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-    try:
-        two_nodes.wait_for_nodes()
-        ray.init(address=two_nodes.address, namespace=NAMESPACE, log_to_driver=False)
-        with pytest.raises(ValueError, match="one gateway per node, and the cluster has 2"):
-            cluster.up([ReplicaConfig(speedup=20)] * 2, GatewayConfig(), gateways=3)
-        port = free_port()
-        two = [ReplicaConfig(speedup=20)] * 2
-        urls, _ = cluster.up(two, GatewayConfig(), port=port, gateways=2)
-        gateways, replicas = cluster.status()
-        assert len({row.node_id for row in replicas}) == 2, replicas
-        assert len({row.node_id for row in gateways}) == 2, gateways
-        assert all(row.healthy for row in [*gateways, *replicas])
-        # Both nodes are this machine: the two gateways share the port, and new
-        # connections are spread over them.
-        assert urls == [f"http://127.0.0.1:{port}"] * 2
-        for _ in range(20):
-            answer = httpx.post(
-                urls[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
-            )
-            assert answer.status_code == 200
-        gateways, _ = cluster.status()
-        assert all(row.requests for row in gateways), gateways  # both served
-        # one fleet secret for both (tenants' salts keyed alike), made by up, and kept
-        # by a later up that adds a gateway to the fleet
-        secrets = {
-            ray.get(ray.get_actor(f"gateway-{i}").fleet_credentials.remote()).secret for i in (0, 1)
-        }
-        assert len(secrets) == 1 and len(secrets.pop()) == 64
-        assert cluster.down() == 4
-    finally:
-        ray.shutdown()
-        two_nodes.shutdown()
 
 
 def test_bench_finds_the_cluster_gateway_and_compares_policies_on_it(head, tmp_path):

@@ -1,7 +1,7 @@
 """A Ray cluster of three nodes on this machine, each started with `ray start` (its own
-raylet and resources): `up` spreads the replicas over them, and a worker node stopped
-mid-load costs only the requests in flight on it (a module of its own: `ray stop` ends
-every Ray of the machine)."""
+raylet and resources): `up` spreads the replicas and gateways over them, and a worker
+node stopped mid-load costs only the requests in flight on it (a module of its own:
+`ray stop` ends every Ray of the machine)."""
 
 import contextlib
 import os
@@ -18,6 +18,8 @@ import ray
 
 from deploy import cluster
 from deploy.processes import free_port
+from replica.api import stats as stats_codec
+from router.stats import BackendStats, GatewayStats
 from tests.shared import loopback_env, prefix_router, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -70,9 +72,15 @@ def replica_nodes() -> dict[str, str]:
     return nodes
 
 
-def backend_figures(gateway: str) -> dict[str, dict]:
-    """The gateway's figures of each backend, by URL."""
-    return {b["url"]: b for b in httpx.get(f"{gateway}/stats").json()["backends"]}
+def gateway_actor(index: int) -> ray.actor.ActorHandle:
+    return ray.get_actor(f"gateway-{index}")
+
+
+def gateways_figures() -> list[BackendStats]:
+    """Each gateway's figures of each of its backends (asked of the actors: behind one
+    port, a request reaches either gateway)."""
+    raw = ray.get([gateway_actor(i).stats.remote() for i in (0, 1)], timeout=30)
+    return [b for stats in raw for b in stats_codec.decode(GatewayStats, stats).backends]
 
 
 def stop_node(node_id: str) -> None:
@@ -83,23 +91,33 @@ def stop_node(node_id: str) -> None:
         process.send_signal(signal.SIGKILL)
 
 
-def test_up_spreads_replicas_over_three_nodes_and_a_node_lost_mid_load_fails_only_its_requests(
+def test_up_spreads_over_three_nodes_and_a_node_lost_mid_load_fails_only_its_requests(
     three_nodes,
 ):
     port = free_port()
     gateway = f"http://127.0.0.1:{port}"
-    up = prefix_router(
-        "up", "--address", three_nodes, "--replicas", "3", "--replica-speedup", "20",
-        # the nodes are this machine, whose address Ray gives them: its clients use loopback
-        "--host", "127.0.0.1", "--port", str(port),
-    )  # fmt: skip
+    fleet = ["up", "--address", three_nodes, "--replicas", "3", "--replica-speedup", "20"]
+    # the nodes are this machine, whose address Ray gives them: its clients use loopback
+    fleet += ["--host", "127.0.0.1", "--port", str(port)]
+    refused = prefix_router(*fleet, "--gateways", "4")
+    assert "one gateway per node, and the cluster has 3" in refused.stderr
+    up = prefix_router(*fleet, "--gateways", "2")
     assert up.returncode == 0, up.stderr
     cluster.connect(three_nodes)
     try:
+        gateways, replicas = cluster.status()
+        assert len({row.node_id for row in replicas}) == 3, replicas  # a replica on each
+        assert len({row.node_id for row in gateways}) == 2, gateways  # from the head on
+        assert all(row.healthy for row in [*gateways, *replicas])
+        # one fleet secret for both gateways (tenants' salts keyed alike), made by up
+        secrets = {ray.get(gateway_actor(i).fleet_credentials.remote()).secret for i in (0, 1)}
+        assert len(secrets) == 1 and len(secrets.pop()) == 64
         placed = replica_nodes()
-        assert len(set(placed.values())) == 3, placed  # one replica per node
-        gateway_node = ray.get(ray.get_actor("gateway-0").node_id.remote(), timeout=30)
-        lost_name, lost_node = next((n, node) for n, node in placed.items() if node != gateway_node)
+        lost_name, lost_node = next(
+            (name, node)
+            for name, node in placed.items()
+            if node not in {row.node_id for row in gateways}
+        )
 
         answered, failed, stop = [], [], threading.Event()
 
@@ -124,8 +142,8 @@ def test_up_spreads_replicas_over_three_nodes_and_a_node_lost_mid_load_fails_onl
             what=f"load on the three nodes (failed: {failed[:5]}, {up.stdout[-500:]})",
         )
         lost_url = ray.get(ray.get_actor(lost_name).card.remote(), timeout=30).url
+        in_flight = sum(b.outstanding_requests for b in gateways_figures() if b.url == lost_url)
         stop_node(lost_node)
-        in_flight = backend_figures(gateway)[lost_url]["outstanding_requests"]
         before = len(answered)
         # the gateway keeps serving on the two nodes left...
         wait_for(lambda: len(answered) >= before + 60, timeout_s=60, what="serving after")
@@ -138,13 +156,15 @@ def test_up_spreads_replicas_over_three_nodes_and_a_node_lost_mid_load_fails_onl
         stop.set()
         for thread in threads:
             thread.join()
-        # only requests in flight on the lost node may fail (the gateway retries those it
+        # only requests in flight on the lost node may fail (a gateway retries those it
         # can: an answer not yet begun)
         assert len(failed) <= in_flight, (failed, in_flight)
+        gateways, _ = cluster.status()
+        assert all(row.requests for row in gateways), gateways  # both served, one port
 
         def healthy() -> int:
-            return sum(b["healthy"] for b in backend_figures(gateway).values())
+            return sum(b.healthy for b in gateways_figures())
 
-        wait_for(lambda: healthy() == 3, timeout_s=60, what="three replicas behind the gateway")
+        wait_for(lambda: healthy() == 6, timeout_s=60, what="3 replicas behind each gateway")
     finally:
         ray.shutdown()
