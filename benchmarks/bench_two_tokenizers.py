@@ -19,60 +19,17 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from benchmarks.predictions import HEADER, play, row
 from deploy.processes import running
 from replica.tiny_model import TinyModelConfig, write_tiny_model
 
 MODELS = ("llama", "qwen")
 #: The router's resolution: it keys a prompt every stride of 4 blocks of 16 tokens.
 STRIDE_TOKENS = 64
-
-
-@dataclass
-class Figures:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    predictions: list[tuple[int, int]] = field(default_factory=list)
-
-    def row(self, model: str) -> str:
-        exact = sum(p == c for p, c in self.predictions)
-        close = sum(abs(p - c) < STRIDE_TOKENS for p, c in self.predictions)
-        over = sum(p > c for p, c in self.predictions)
-        n = len(self.predictions)
-        return (
-            f"| {model} | {n} | {self.cached_tokens / self.prompt_tokens:.1%} | "
-            f"{exact / n:.0%} | {close / n:.0%} | {over / n:.0%} |"
-        )
-
-
-def system_prompt(model: str, index: int) -> str:
-    return f"You are {model}'s assistant number {index} for the support desk of a shop. " * 25
-
-
-def play(url: str, model: str, conversations: int, turns: int) -> Figures:
-    figures = Figures()
-    with httpx.Client(base_url=url, timeout=60) as client:
-        for conversation in range(conversations):
-            messages = [{"role": "system", "content": system_prompt(model, conversation % 4)}]
-            for turn in range(turns):
-                messages.append({"role": "user", "content": f"question {conversation}.{turn}"})
-                body = {"model": model, "messages": messages, "max_tokens": 8}
-                answer = client.post("/v1/chat/completions", json=body)
-                answer.raise_for_status()
-                usage = answer.json()["usage"]
-                cached = usage["prompt_tokens_details"]["cached_tokens"]
-                predicted = int(answer.headers["x-prefix-router-predicted-cached-tokens"])
-                figures.prompt_tokens += usage["prompt_tokens"]
-                figures.cached_tokens += cached
-                figures.predictions.append((predicted, cached))
-                reply = answer.json()["choices"][0]["message"]["content"]
-                messages.append({"role": "assistant", "content": reply})
-                time.sleep(0.05)  # the answer's KV events on their way to the gateway
-    return figures
 
 
 def checked_backends(url: str, count: int, timeout_s: float = 60.0) -> list[dict]:
@@ -108,13 +65,13 @@ def main() -> None:
                 checked = checked_backends(url, len(urls))
                 modes = ", ".join(f"{b['model']}: {b['routing_mode']}" for b in checked)
                 print(f"backends checked: {modes}")
-                figures = {
-                    model: play(url, model, args.conversations, args.turns) for model in MODELS
+                answers = {
+                    model: play(url, model, model, args.conversations, args.turns)
+                    for model in MODELS
                 }
-    print("| model | requests | token hit rate | predictions exact | within a stride | over |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for model, measured in figures.items():
-        print(measured.row(model))
+    print(HEADER.format(what="model"))
+    for model, played in answers.items():
+        print(row(model, played, STRIDE_TOKENS))
 
 
 if __name__ == "__main__":

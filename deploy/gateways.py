@@ -230,7 +230,12 @@ def gateway_status(timeout_s: float = 10.0) -> list[ActorStatus]:
             rows.append(ActorStatus(name, "?", "?", False, None, None))
             continue
         stats = stats_codec.decode(GatewayStats, raw)
-        routes = {b.replica_id: routing_text(b) for b in stats.backends}
+        routes: dict[str, str] = {}
+        for backend in stats.backends:  # a data-parallel server's ranks on one line
+            server, text = backend.server or backend.replica_id, routing_text(backend)
+            if backend.data_parallel_rank is not None:
+                text = f"dp{backend.data_parallel_rank} {text}"
+            routes[server] = f"{routes[server]}; {text}" if server in routes else text
         totals = stats.totals
         rows.append(
             ActorStatus(name, node, url, True, totals.requests, totals.token_hit_rate, None, routes)

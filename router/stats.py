@@ -95,6 +95,10 @@ class BackendStats:
     draining: bool = False
     #: What it does in a disaggregated fleet: ``both``, ``prefill`` or ``decode``.
     role: str = "both"
+    #: One engine of a data-parallel server: its rank, and the server's name (which
+    #: ``replica_id``, ``SERVER#dpRANK``, extends).
+    data_parallel_rank: int | None = None
+    server: str = ""
 
     @property
     def predicted_cached_tokens(self) -> int:
@@ -216,6 +220,7 @@ def for_monitoring(stats: GatewayStats) -> GatewayStats:
             b,
             url="",
             replica_id=f"backend-{place}",
+            server="",
             kv_stream=replace(b.kv_stream, endpoint="") if b.kv_stream else None,
             unchecked=[],
             approximate_reason=None,

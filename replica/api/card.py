@@ -46,6 +46,10 @@ class EngineCard:
     #: The most tokens a request may hold, prompt and answer (vLLM's ``max_model_len``;
     #: ours: its KV cache's), ``None`` where it does not say.
     max_model_len: int | None = None
+    #: Engines behind its URL, each with a KV cache of its own (vLLM's
+    #: ``--data-parallel-size``): a request picks one with ``X-data-parallel-rank``, and
+    #: rank R publishes its KV events where rank 0 does, its ports plus R.
+    data_parallel_size: int = 1
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
@@ -104,7 +108,15 @@ def vllm_card(
         pid,
         adapters,
         max_model_len=_int(str(first.get("max_model_len") or "")),
+        data_parallel_size=len(vllm_engines(metrics_text)) or 1,
     )
+
+
+def vllm_engines(metrics_text: str) -> set[str]:
+    """The engines a vLLM server's ``/metrics`` reports (its data-parallel ranks)."""
+    families = text_string_to_metric_families(metrics_text)
+    samples = (s for f in families if f.name == "vllm:cache_config_info" for s in f.samples)
+    return {sample.labels["engine"] for sample in samples if sample.labels.get("engine")}
 
 
 def _int(text: str | None) -> int | None:

@@ -41,6 +41,7 @@ from replica.api.fleet_token import ENV_FLEET_TOKEN
 from replica.api.identity import identity_seed, prefix_keys
 from replica.api.kv_events import KVEvent
 from replica.api.tokenizer import TOKEN_DTYPE, WORDS, Message, Tokenizer
+from router.fleet.data_parallel import RANK_HEADER
 from router.fleet.tokenizers import ModelTokenizers
 from router.index.event_keys import EventKeys
 
@@ -127,10 +128,12 @@ class BackendCheck:
         card: EngineCard | None,
         attach: Callable[[CanaryWatch | None], None],
         catch_up: Callable[[], None],
+        rank: int | None = None,
     ) -> Verdict:
         """Check the backend at ``url`` (``card``: what it says of itself, if anything).
         ``attach(watch)`` has its events fed to ``watch`` from now on (``None``: no more);
-        ``catch_up()`` asks its stream to replay what it may have missed. Raises
+        ``catch_up()`` asks its stream to replay what it may have missed; ``rank``: the
+        engine of a data-parallel server checked (its canary sent there). Raises
         ``aiohttp.ClientError`` or ``TimeoutError`` if the backend stops answering."""
         model = card.model if card and card.model else self.model
         if card and card.model and card.model != self.model:
@@ -159,7 +162,7 @@ class BackendCheck:
             if reason:
                 return Verdict(False, reason)
             attach(watch)
-            reason, refused = await self.canary(url, model, tokenizer, watch, catch_up)
+            reason, refused = await self.canary(url, model, tokenizer, watch, catch_up, rank)
         except NotOfItsFleet as error:
             return Verdict(False, str(error))
         finally:
@@ -265,6 +268,7 @@ class BackendCheck:
         tokenizer: Tokenizer,
         watch: CanaryWatch,
         catch_up: Callable[[], None],
+        rank: int | None = None,
     ) -> tuple[str | None, str | None]:
         """Send a fresh canary prompt: what is wrong with the events it causes, if
         anything, and whether the check could not be made (the backend refused it)."""
@@ -277,6 +281,7 @@ class BackendCheck:
         async with self.client.post(
             f"{url}/v1/completions",
             json=body,
+            headers={} if rank is None else {RANK_HEADER: str(rank)},
             timeout=aiohttp.ClientTimeout(total=self.answer_timeout_s),
         ) as response:
             await response.read()

@@ -39,6 +39,7 @@ from router.fleet.backend_check import (
     Verdict,
     check_credential,
 )
+from router.fleet.data_parallel import rank_endpoint, rank_name
 from router.fleet.vllm_load import vllm_load
 from router.index.kv_subscriber import FollowedStream, KVStreams, StreamState
 
@@ -108,6 +109,11 @@ def _check_url(spec: str, url: str) -> None:
 class Backend:
     url: str
     state: ReplicaState
+    #: One engine of a data-parallel server (router/fleet/data_parallel.py): its rank,
+    #: which every request sent to it names, and the server's own name, which its ranks
+    #: share (``None``, ``""``: a server of one engine, named as its replica).
+    dp_rank: int | None = None
+    server: str = ""
     last_event_seq: int = 0
     events_supported: bool = True
     #: Its KV events pushed on ZMQ (given, or found in its ``/stats``), and the last
@@ -138,6 +144,11 @@ class Backend:
     _poller: asyncio.Task[None] | None = field(default=None, repr=False)
     _checker: asyncio.Task[None] | None = field(default=None, repr=False)
     _probe_now: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def label(self) -> str:
+        """How logs name it: its URL, and its rank if it is one engine of several."""
+        return self.url if self.dp_rank is None else f"{self.url} (rank {self.dp_rank})"
 
 
 class BackendPool:
@@ -193,7 +204,7 @@ class BackendPool:
             backend.healthy = False
             backend._probe_now.set()  # start probing its health now, not after a poll interval
             self._on_removed(backend.state)
-            log.warning("backend %s is down: no more requests until it is healthy", backend.url)
+            log.warning("backend %s is down: no more requests until it is healthy", backend.label)
 
     def _readmit(self, backend: Backend) -> None:
         backend.healthy, backend.failed_probes = True, 0
@@ -201,14 +212,14 @@ class BackendPool:
         if backend.stream is not None and self._streams is not None:
             self._streams.relearn(backend)  # learn its cache again from the replay buffer
         self._on_added(backend.state)
-        log.warning("backend %s is healthy again", backend.url)
+        log.warning("backend %s is healthy again", backend.label)
         self._start_check(backend)  # it may have come back as another engine
 
     def _engine_restarted(self, backend: Backend) -> None:
         """A new engine behind the backend's sockets (its stream dropped its entries):
         it may serve another model or key otherwise, so it is described and checked
         again, as a new backend, routed approximately until its check passes."""
-        log.warning("backend %s: a new engine (its KV events started over)", backend.url)
+        log.warning("backend %s: a new engine (its KV events started over)", backend.label)
         asyncio.get_running_loop().create_task(self._describe_again(backend))
         self._start_check(backend)
 
@@ -228,6 +239,7 @@ class BackendPool:
         kv_endpoint: KVEventsEndpoint | None = None,
         card: EngineCard | None = None,
         role: str | None = None,
+        dp_rank: int | None = None,
     ) -> Backend:
         """Start routing to ``url`` (idempotent); its KV events are followed from now on
         (``kv_endpoint``: where a vLLM server publishes them; ``card``: what it is, as
@@ -235,16 +247,18 @@ class BackendPool:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
-        for backend in self._backends.values():
-            if backend.url == url:
-                if card is not None:  # told again (Ray's discovery): adapters may have changed
+        known = [b for b in self._backends.values() if b.url == url]
+        if known and (dp_rank is None or any(b.dp_rank == dp_rank for b in known)):
+            if card is not None:  # told again (Ray's discovery): adapters may have changed
+                for backend in known:
                     self._learn(backend, card)
-                return backend
-        name = replica_id or url
+            return next((b for b in known if b.dp_rank == dp_rank), known[0])
+        server = replica_id or url
+        name = server if dp_rank is None else rank_name(server, dp_rank)
         capacity = capacity_blocks or (card.num_blocks if card else None) or self._capacity
         state = ReplicaState(name, capacity, precise=self.check is None)  # trusted once checked
         kv_endpoint = kv_endpoint or (card.kv_events if card else None)
-        backend = Backend(url, state, kv_endpoint=kv_endpoint, given_role=role)
+        backend = Backend(url, state, dp_rank, server, kv_endpoint=kv_endpoint, given_role=role)
         state.role = role or state.role
         self._backends[name] = backend
         if card is not None:  # what it serves is known: route to it at once
@@ -253,12 +267,43 @@ class BackendPool:
         backend._poller = asyncio.get_running_loop().create_task(self._watch(backend))
         return backend
 
+    def _split_ranks(self, backend: Backend) -> None:
+        """A server whose card says it has several data-parallel engines: it becomes
+        rank 0, and a backend is added for each other rank, its events followed where
+        vLLM publishes them (router/fleet/data_parallel.py). One already routed to (it
+        said so only once up) is routed again under its rank's name and checked again,
+        as rank 0 (its cache learnt again from its replay socket once it passes)."""
+        card = backend.card
+        if card is None or card.data_parallel_size < 2 or backend.dp_rank is not None:
+            return
+        routed = backend.joined and backend.healthy
+        if routed:
+            self._on_removed(backend.state)
+        del self._backends[backend.state.replica_id]
+        backend.dp_rank, backend.state.replica_id = 0, rank_name(backend.server, 0)
+        self._backends[backend.state.replica_id] = backend
+        if routed:
+            self._on_added(backend.state)
+            if backend._checker is not None:  # its canary went to either engine
+                backend._checker.cancel()
+            self._start_check(backend)
+        endpoint = backend.kv_endpoint or card.kv_events
+        for rank in range(1, card.data_parallel_size):
+            self.add(
+                backend.url,
+                replica_id=backend.server,
+                kv_endpoint=rank_endpoint(endpoint, rank) if endpoint else None,
+                card=card,
+                role=backend.given_role,
+                dp_rank=rank,
+            )
+
     def _learn(self, backend: Backend, card: EngineCard) -> None:
         """Take what the backend says of itself: the model and adapters it serves."""
         state, routed = backend.state, backend.joined and backend.healthy
         backend.card, backend.described_at = card, time.monotonic()
         if card.draining and not backend.draining:
-            log.warning("backend %s is leaving the fleet: no more requests", backend.url)
+            log.warning("backend %s is leaving the fleet: no more requests", backend.label)
         backend.draining = card.draining
         if card.num_blocks:
             state.capacity_blocks = card.num_blocks
@@ -270,6 +315,7 @@ class BackendPool:
         state.model, state.adapters = model, frozenset(card.adapters)
         state.role = backend.given_role or card.role
         self._longest_served()
+        self._split_ranks(backend)
 
     def _longest_served(self) -> None:
         lengths = [b.card.max_model_len for b in self._backends.values() if b.card]
@@ -280,12 +326,19 @@ class BackendPool:
         self._on_added(backend.state)
 
     async def remove(self, url_or_id: str) -> bool:
+        """Stop routing to a backend, named by URL or by name (a data-parallel server's
+        ranks all, named by its URL or its own name); whether there was one."""
         key = url_or_id.rstrip("/")
-        backend = self._backends.get(key) or next(
-            (b for b in self._backends.values() if b.url == key), None
-        )
-        if backend is None:
-            return False
+        backend = self._backends.get(key)
+        if backend is not None:
+            await self._remove(backend)
+            return True
+        servers = [b for b in self.backends if key in (b.url, b.server)]
+        for backend in servers:
+            await self._remove(backend)
+        return bool(servers)
+
+    async def _remove(self, backend: Backend) -> None:
         del self._backends[backend.state.replica_id]
         self._longest_served()
         for task in (backend._poller, backend._checker):
@@ -297,7 +350,6 @@ class BackendPool:
             self._streams.forget(backend)
         if backend.healthy:  # an open circuit has already removed it from the policy
             self._on_removed(backend.state)
-        return True
 
     async def learned(self, timeout_s: float) -> bool:
         """Wait, at most ``timeout_s``, until every backend has joined and, if it
@@ -376,15 +428,16 @@ class BackendPool:
                     backend.card,
                     attach=lambda watch: setattr(backend, "canary", watch),
                     catch_up=lambda: self._catch_up(backend),
+                    rank=backend.dp_rank,
                 )
                 break
             except (aiohttp.ClientError, TimeoutError) as error:
                 if not backend.healthy:  # it went away: checked again on its return
-                    log.info("backend %s: check interrupted (%r)", backend.url, error)
+                    log.info("backend %s: check interrupted (%r)", backend.label, error)
                     return
                 log.warning(
                     "backend %s: check interrupted (%r): again in %.0f s",
-                    backend.url,
+                    backend.label,
                     error,
                     wait_s,
                 )
@@ -398,7 +451,7 @@ class BackendPool:
 
     def _apply(self, backend: Backend, verdict: Verdict) -> None:
         if verdict.skipped and verdict.skipped != backend.unchecked:
-            log.warning("backend %s: checks skipped: %s", backend.url, "; ".join(verdict.skipped))
+            log.warning("backend %s: checks skipped: %s", backend.label, "; ".join(verdict.skipped))
         backend.unchecked = verdict.skipped
         if verdict.precise:
             backend.approximate_reason = None
@@ -413,7 +466,7 @@ class BackendPool:
             self._streams.relearn(backend, lambda: self._learned_again(backend))
             return
         if backend.approximate_reason != verdict.reason:
-            log.warning("backend %s is routed approximately: %s", backend.url, verdict.reason)
+            log.warning("backend %s is routed approximately: %s", backend.label, verdict.reason)
         backend.routing_mode, backend.approximate_reason = "approximate", verdict.reason
         if backend.state.precise:
             self._remodel(backend, precise=False)
@@ -499,7 +552,7 @@ class BackendPool:
             if r.prefilling and r.dispatched_at <= read_at
         )
         blocks = backend.card.num_blocks if backend.card is not None else None
-        report = vllm_load(text, blocks, prefilling, read_at)
+        report = vllm_load(text, blocks, prefilling, read_at, engine=backend.dp_rank)
         if report is not None:
             load.reported(state, report)
         return True
@@ -519,10 +572,10 @@ class BackendPool:
             backend.events_supported = False  # (not its circuit flapping on every poll)
             return True
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.debug("kv events from %s: %r", backend.url, error)
+            log.debug("kv events from %s: %r", backend.label, error)
             return False
         except ValueError as error:  # answered, but not a page of events
-            log.debug("kv events from %s: %r", backend.url, error)
+            log.debug("kv events from %s: %r", backend.label, error)
             return True
         if page is None:  # no KV events here (vLLM, SGLang): probe /health instead
             backend.events_supported = False
@@ -609,10 +662,9 @@ async def sync_ray_replicas(pool: BackendPool, prefix: str) -> None:
         cards = await asyncio.gather(*(_actor_card(ray, name) for name in wanted))
         live = {name: card for name, card in zip(wanted, cards, strict=True) if card}
         for backend in pool.backends:
-            name = backend.state.replica_id
-            card = live.get(name)
+            card = live.get(backend.server)
             if card is None or card.url != backend.url:
-                await pool.remove(name)
+                await pool.remove(backend.state.replica_id)
         for name, card in live.items():
             pool.add(card.url, replica_id=name, card=card)
     except Exception as error:  # Ray busy or restarting: try again next round

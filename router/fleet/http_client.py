@@ -225,9 +225,10 @@ class Client:
         )
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
-    async def post(self, url: str, body: bytes) -> Response:
-        """POST ``body`` (JSON) to ``url``; the answer's head has arrived on return."""
-        (host, port), head = _target(url, self._headers)
+    async def post(self, url: str, body: bytes, headers: bytes = b"") -> Response:
+        """POST ``body`` (JSON) to ``url``, with the client's headers and ``headers``
+        (lines, each ending ``\r\n``); the answer's head has arrived on return."""
+        (host, port), head = _target(url, self._headers + headers)
         request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         deadline = time.monotonic() + self.timeouts.total_s
         pool = self._idle.setdefault((host, port), [])

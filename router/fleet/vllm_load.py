@@ -30,14 +30,21 @@ LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def vllm_load(
-    metrics: str, num_blocks: int | None, prefill_tokens: int, ts: float
+    metrics: str,
+    num_blocks: int | None,
+    prefill_tokens: int,
+    ts: float,
+    engine: int | None = None,
 ) -> LoadReport | None:
     """The load in a vLLM server's ``/metrics`` text, read at ``ts`` (wall clock), with
     the ``prefill_tokens`` the gateway knows it has still to compute; ``None`` if the
-    text has no vLLM scheduler gauges."""
+    text has no vLLM scheduler gauges. ``engine``: one data-parallel rank's load alone
+    (else every engine's, summed)."""
     samples: dict[str, list[tuple[str, float]]] = {}
+    mine = None if engine is None else f'engine="{engine}"'
     for name, labels, value in SAMPLE.findall("\n" + metrics):
-        samples.setdefault(name, []).append((labels, float(value)))
+        if mine is None or mine in labels or 'engine="' not in labels:  # or server-wide
+            samples.setdefault(name, []).append((labels, float(value)))
     running, waiting = (
         samples.get("vllm:num_requests_running"),
         samples.get("vllm:num_requests_waiting"),

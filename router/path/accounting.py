@@ -219,6 +219,8 @@ class Accounting:
         return BackendStats(
             url=backend.url,
             replica_id=state.replica_id,
+            data_parallel_rank=backend.dp_rank,
+            server=backend.server,
             dispatched=state.dispatched,
             outstanding_requests=state.outstanding_requests,
             outstanding_prefill_tokens=state.outstanding_prefill_tokens,

@@ -22,6 +22,7 @@ from replica.api import kv_params
 from replica.api import openai as api
 from router.core import RoutingRequest
 from router.fleet.backends import Backend, BackendPool
+from router.fleet.data_parallel import rank_header
 from router.fleet.http_client import Client, UpstreamError
 from router.fleet.http_client import Response as Answer
 from router.path.place import Placement
@@ -60,7 +61,9 @@ class Dispatcher:
             params = kv_params.pull_params(placement.pull_from.url, request.kv.pull_tokens)
             body = with_fields(body, kv_transfer_params=params)
         try:
-            response = await self.client.post(backend.url + ticket.envelope.path, body)
+            response = await self.client.post(
+                backend.url + ticket.envelope.path, body, rank_header(backend.dp_rank)
+            )
         except FAILURES as error:
             raise self._failed(request, placement, error) from None
         if response.status in RETRYABLE_STATUSES:
@@ -94,7 +97,9 @@ class Dispatcher:
         cached, params, failure, refused = None, None, None, None
         try:
             response = await self.client.post(
-                prefill.url + ticket.envelope.path, prefill_body(ticket.body)
+                prefill.url + ticket.envelope.path,
+                prefill_body(ticket.body),
+                rank_header(prefill.dp_rank),
             )
             try:
                 content = await response.read()

@@ -37,3 +37,10 @@ def test_a_server_without_lora_or_a_card_says_less_and_other_text_says_nothing()
     assert report is not None and report.adapters is None and report.free_adapter_slots is None
     assert report.free_blocks is None  # no card, no block count
     assert vllm_load("# sglang\nsglang:num_running_reqs 3\n", 100, 0, 0.0) is None
+
+
+def test_one_data_parallel_engines_load_is_its_own_gauges_and_the_servers_adapters():
+    report = vllm_load(METRICS, num_blocks=1000, prefill_tokens=0, ts=0.0, engine=1)
+    assert report is not None
+    assert (report.running, report.waiting, report.free_blocks) == (2, 0, 250)
+    assert report.adapters == ("sql", "chat")  # vLLM reports adapters for the server
