@@ -24,6 +24,7 @@ def test_ours_inside_serve_takes_the_policy_from_its_label_and_the_gateways_rout
     app = ray_serve.application("serve_cache_aware_ttft", ENGINE, 2, gateway)
     assert app.router == "prefix" and app.router_kwargs["policy"] == "cache_aware_ttft"
     assert app.router_kwargs["routing"] == dataclasses.asdict(gateway.routing)
+    assert app.router_kwargs["check_backends"] is False  # no canary counted in a row
     assert ray_serve.replayed_as("serve_cache_aware_ttft") == "cache_aware_ttft"
     # the engines are the bench's replicas, setting for setting
     assert ReplicaConfig(**app.engine) == ENGINE
