@@ -285,7 +285,8 @@ class BackendPool:
         if routed:
             self._on_added(backend.state)
             if backend._checker is not None:  # its canary went to either engine
-                backend._checker.cancel()
+                backend._checker.cancel()  # (not done() until it runs: forget it)
+                backend._checker = None
             self._start_check(backend)
         endpoint = backend.kv_endpoint or card.kv_events
         for rank in range(1, card.data_parallel_size):

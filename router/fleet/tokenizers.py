@@ -60,10 +60,6 @@ class ModelTokenizers:
         """``model``'s tokenizer (the gateway's own for a model it knows none of)."""
         return self._by_model.get(model, self.default) if model else self.default
 
-    def all(self) -> list[Tokenizer]:
-        """Every tokenizer loaded, once each."""
-        return list({id(t): t for t in self._loaded.values()}.values())
-
     async def learn(self, model: str, name: str | None) -> Tokenizer:
         """``model``'s tokenizer once a replica's card says it is ``name``: loaded the
         first time (in a thread), unless the model already has one. One that cannot be
