@@ -50,13 +50,16 @@ demo-serve: $(INSTALLED)
 # `prefix-router tiny-model` writes, each with a KV cache of 16 MB (7,808 tokens: less
 # than the four system prompts and the live sessions), routed at every block boundary
 # (--stride 1: vLLM's blocks of 32 tokens are coarse already, and predictions exact).
-# The load of `make demo` for 60 s: 300 sessions at 5 per second. About 8 minutes; the
-# report and charts in reports/bench-vllm.
+# The chat load of `make demo` with 16-token answers, sized to this machine's engines
+# (--size-load): one server timed first (as `prefix-router calibrate` does), then the
+# session rate at which their twin, routed round robin, would keep them busy 40% of the
+# time, sessions arriving for 90 s. About 8 minutes; the report in reports/bench-vllm.
 VLLM_MODEL := reports/tiny-model
 VLLM_DEMO_FLAGS := --engine vllm --model $(VLLM_MODEL) --replicas 2 \
 	--policies round_robin,sglang_router,cache_aware --serve-arg="--stride 1" \
 	--engine-arg="--kv-cache-memory-bytes 16M --max-model-len 4096" \
-	--chat-num-sessions 300 --chat-session-rate 5 --chat-reply-tokens 60 --users 160
+	--chat-num-sessions 180 --chat-session-rate 2 --chat-reply-tokens 16 --users 160 \
+	--size-load 0.4
 demo-vllm: $(VLLM_INSTALLED)
 	@test -f $(VLLM_MODEL)/config.json || $(BIN)/prefix-router tiny-model $(VLLM_MODEL)
 	$(BIN)/prefix-router bench $(VLLM_DEMO_FLAGS) --out reports/bench-vllm

@@ -63,6 +63,7 @@ TABLE_KEYS = (
     "prediction_within_block",
     "prediction_over",
     "cpu_busy",
+    "cpu_pressure",
 )
 #: What P/D is for: goodput, and the latencies it is made of, live beside the replay.
 GOODPUT_KEYS = (
@@ -99,8 +100,12 @@ every replica's cache was emptied:
   `prediction_within_block` and `prediction_over` the shares it predicted exactly,
   within one KV block, and above the engine's figure.
 - `cpu_busy`: mean share of this machine's CPUs in use during the run (all
-  processes: Locust, gateway, replicas). Near 100% the machine, not the simulated
-  GPUs, would set the latencies.
+  processes: Locust, gateway, replicas). vLLM's CPU build counts as busy while it
+  polls for its next step (a second after each, yielding to any other task), so a
+  vLLM fleet reads near 100% at any load that keeps it stepping.
+- `cpu_pressure`: share of the run in which some runnable task waited for a CPU
+  (Linux's pressure stall information): how starved the machine was. High, the
+  machine, not the engines, would set the latencies.
 """
 
 
@@ -210,6 +215,16 @@ class BenchOptions:
         metadata=helped("clients send each session's id as x-session-id (and so does the replay)"),
     )
     no_progress: bool = False
+    size_load: float = field(
+        default=0.0,
+        metadata=helped(
+            "before the runs, time one engine (as `prefix-router calibrate` does) and size "
+            "the chat load to it: the session rate (and sessions, arriving as long as "
+            "given) at which the fleet's twin, routed round robin, is busy this share of "
+            "the time; the profile then predicts each row (loadtest/bench/sizing.py)",
+            metavar="SHARE",
+        ),
+    )
     slo_ttft_s: float = field(
         default=BenchConfig().slo_ttft_s,
         metadata=helped("goodput's objective for the time to first token (default: 2)"),
@@ -265,6 +280,10 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with _target(args) as (gateways, description, token):
         print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)
+        sizing = None
+        if args.size_load:
+            config, sizing = bench.sized(config, gateways, token, args.size_load, out)
+            print(f"bench: load sized to the engines: {sizing.summary()}", file=sys.stderr)
         rows, fleet, timelines = bench.compare(config, gateways, out, token)
     meta = {
         "seed": config.seed,
@@ -277,6 +296,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "cpu_busy": max((r["cpu_busy"] for r in rows), default=None),
         "cpu_count": _cpu_count(),
         "replay": config.predict,
+        "sizing": asdict(sizing) if sizing else None,
     }
     print(format_table(rows, TABLE_KEYS))
     if any(row.get("goodput_rps") is not None for row in rows):
@@ -397,12 +417,15 @@ def write_report(
         "",
         format_table(rows, TABLE_KEYS),
         "",
+        *_sizing_lines(meta.get("sizing")),
         f"CPU: at most {busy:.0%} busy on average during a run (busiest second "
-        f"{max(r['cpu_busy_peak'] for r in rows):.0%}), over {meta['cpu_count']} CPUs."
+        f"{max(r['cpu_busy_peak'] for r in rows):.0%}), over {meta['cpu_count']} CPUs"
+        + _pressure_text(rows)
         if busy is not None
         else "CPU: not measured.",
         "",
         *_event_latency_lines(rows),
+        *_over_prediction_lines(rows),
         *_flags(rows, replayed=bool(meta.get("replay", True))),
         READING,
         *(f"![{title}]({name})\n" for name, title in charts.items()),
@@ -452,6 +475,51 @@ def _event_latency_lines(rows: Sequence[Row]) -> list[str]:
         f"p99 {p99 * 1e3:.1f} ms (every stream, every gateway, the whole bench).",
         "",
     ]
+
+
+def _pressure_text(rows: Sequence[Row]) -> str:
+    """The runs' CPU pressure, where the kernel said it, to end the CPU's sentence."""
+    pressures = [r["cpu_pressure"] for r in rows if r.get("cpu_pressure") is not None]
+    if not pressures:
+        return "."
+    return (
+        f"; some task waited for a CPU {min(pressures):.0%} to {max(pressures):.0%} of "
+        "the time (`cpu_pressure`)."
+    )
+
+
+def _sizing_lines(sizing: dict[str, Any] | None) -> list[str]:
+    """How the load was sized to the engines (``--size-load``), if it was."""
+    if not sizing:
+        return []
+    found = bench.Sizing(**sizing)
+    timed = f"; the engines' profile (the replay's too): `{found.profile}`" if found.profile else ""
+    return [f"Load sized to the engines (`--size-load`): {found.summary()}{timed}.", ""]
+
+
+def _over_prediction_lines(rows: Sequence[Row]) -> list[str]:
+    """Why the engines found fewer cached tokens than predicted, per row that predicted."""
+    lines = []
+    for row in rows:
+        over = row.get("prediction_over")
+        if not over:
+            continue
+        causes = ", ".join(
+            f"{row.get(f'prediction_over_{cause}') or 0:.1%} {meaning}"
+            for cause, meaning in OVER_CAUSE_MEANINGS.items()
+        )
+        lines.append(
+            f"- **{row['label']}** predicted too many cached tokens for {over:.1%}: {causes}."
+        )
+    return ["Predictions over the engine's figure, by cause:", "", *lines, ""] if lines else []
+
+
+#: How the report names each cause of an over-prediction (router/core.py, OVER_CAUSES).
+OVER_CAUSE_MEANINGS = {
+    "pending": "pending (the router's own decisions ahead of what the engine had stored)",
+    "evicted": "evicted while they waited in the engine's queue",
+    "unexplained": "unexplained (the events said more and told of no eviction)",
+}
 
 
 def _chat_summary(chat: dict[str, Any]) -> str:

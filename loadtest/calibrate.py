@@ -35,6 +35,7 @@ from tqdm import tqdm
 from loadtest.plots import plt, save_figure
 from replica.api.card import EngineCard, vllm_cache_config
 from replica.api.cost_model import CostProfile, get_profile
+from replica.api.fleet_token import bearer, fleet_token
 from replica.calibration import TERMS, DecodeSample, Fit, PrefillSample, Sample, fit
 from router.fleet.backends import describe
 
@@ -180,9 +181,14 @@ class Calibration:
     profile: CostProfile
 
 
-async def calibrate(config: CalibrateConfig, progress: bool = True) -> Calibration:
+async def calibrate(
+    config: CalibrateConfig, progress: bool = True, fleet_token: str = ""
+) -> Calibration:
+    """Time the server over the sweep and fit the profile (``fleet_token``: what the
+    server asks of callers, if it is one of a fleet's replicas)."""
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = bearer(fleet_token)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         card = await describe(session, config.backend)
         model = config.model or (card.model if card else "")
         model = model or await _first_model(session, config.backend)
@@ -374,6 +380,13 @@ def add_calibrate_parser(commands: Any) -> None:
         default="reports/calibrate",
         help="profile.json, calibration.md, calibration.png",
     )
+    parser.add_argument(
+        "--fleet-token-file",
+        default="",
+        metavar="FILE",
+        help="a fleet's replica: the token it asks of callers, in a file; "
+        "default: $PREFIX_ROUTER_FLEET_TOKEN",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=run_calibrate)
 
@@ -400,21 +413,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
         args.seed,
     )
     try:
-        result = asyncio.run(calibrate(config, progress=not args.no_progress))
+        token = fleet_token(args.fleet_token_file)
+        result = asyncio.run(calibrate(config, not args.no_progress, token))
     except aiohttp.ClientError as error:
         raise ValueError(f"cannot reach {config.backend} ({error}): is it running?") from None
-    text = report(result)
-    print(text)
-    out = Path(args.out)
+    print(report(result))
+    out = write_calibration(result, config.backend, Path(args.out))
+    print(f"wrote {out}: give it as --profile {out}", file=sys.stderr)
+    return 0
+
+
+def write_calibration(result: Calibration, backend: str, out: Path) -> Path:
+    """``profile.json``, ``calibration.md`` (every point measured and fitted) and
+    ``calibration.png`` in ``out``; the profile's path."""
     out.mkdir(parents=True, exist_ok=True)
     result.profile.save(out / "profile.json")
     (out / "calibration.md").write_text(
-        f"# prefix-router calibrate {config.backend}\n\n{text}\n\n{samples_table(result)}\n\n"
+        f"# prefix-router calibrate {backend}\n\n{report(result)}\n\n{samples_table(result)}\n\n"
         "![measured against fitted](calibration.png)\n"
     )
     chart(result, out / "calibration.png")
-    print(
-        f"wrote {out / 'profile.json'}: give it as --profile {out / 'profile.json'}",
-        file=sys.stderr,
-    )
-    return 0
+    return out / "profile.json"

@@ -109,6 +109,14 @@ class ReplicaState:
         return self.report.prefill_tokens + self.prefill_tokens_since_report
 
 
+#: Why an engine finds fewer cached tokens than the router predicted. ``pending``: its
+#: KV events at the dispatch said no more than it found, the rest was the router's own
+#: decisions (requests sent there whose blocks it had not stored yet); ``evicted``: its
+#: events told of an eviction of the prompt while the request waited there; ``unexplained``:
+#: its events said it held more and told of no eviction (withheld or lost).
+OVER_CAUSES = ("pending", "evicted", "unexplained")
+
+
 @dataclass(eq=False)
 class RoutingRequest:
     """A request as the router sees it: its length and its leading block identities.
@@ -151,6 +159,9 @@ class RoutingRequest:
     #: fewer is out of step with its events from before that batch.
     events_cached_tokens: int | None = field(default=None, repr=False)
     events_batch: int | None = field(default=None, repr=False)
+    #: Why its engine found fewer cached tokens than predicted, once it ended (``None``:
+    #: it did not): one of :data:`OVER_CAUSES`.
+    over_cause: str | None = field(default=None, repr=False)
 
     @property
     def predicted_uncached_tokens(self) -> int:

@@ -33,10 +33,20 @@ class PolicyCounts:
     under_predictions: int = 0
     over_predicted_tokens: int = 0
     under_predicted_tokens: int = 0
+    #: The over-predictions by cause (router/core.py, OVER_CAUSES).
+    over_pending: int = 0
+    over_evicted: int = 0
+    over_unexplained: int = 0
 
-    def predicted(self, predicted: int, actual: int, block: int, stride: int) -> None:
-        """Count one prediction against the replica's figure."""
+    def predicted(
+        self, predicted: int, actual: int, block: int, stride: int, over_cause: str | None = None
+    ) -> None:
+        """Count one prediction against the replica's figure (``over_cause``: why it
+        found fewer, where the policy said)."""
         miss = predicted - actual
+        if miss > 0 and over_cause is not None:
+            name = f"over_{over_cause}"
+            setattr(self, name, getattr(self, name) + 1)
         self.predictions += 1
         self.predicted_cached_tokens += predicted
         self.actual_cached_tokens += actual

@@ -19,6 +19,7 @@ only (against another target, it is only a label).
 from loadtest.bench.comparison import compare
 from loadtest.bench.config import BENCH_HOST_BLOCKS, BENCH_REPLICA_BLOCKS, BenchConfig
 from loadtest.bench.prediction import REPLAY_TOLERANCE
+from loadtest.bench.sizing import Sizing, sized
 from loadtest.bench.targets import cluster_gateways, embedded
 
 __all__ = [
@@ -26,7 +27,9 @@ __all__ = [
     "BENCH_REPLICA_BLOCKS",
     "REPLAY_TOLERANCE",
     "BenchConfig",
+    "Sizing",
     "cluster_gateways",
     "compare",
     "embedded",
+    "sized",
 ]

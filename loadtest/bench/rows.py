@@ -111,6 +111,7 @@ def _client_figures(run: LocustRun, config: BenchConfig) -> Row:
         "duration_s": run.elapsed_s,
         "cpu_busy": run.cpu_busy,
         "cpu_busy_peak": run.cpu_busy_peak,
+        "cpu_pressure": run.cpu_pressure,
     }
 
 
@@ -194,21 +195,34 @@ def _requests_per_gateway(before: Snapshot, after: Snapshot) -> list[int] | None
     return [sum(b.dispatched for b in g.backends) - then.get(g.pid, 0) for g in after.gateways]
 
 
+#: The prediction figures of a row, each a share of the run's predictions, by the
+#: gateway's count (router/stats.py, PolicyCounts) it is made of.
+PREDICTION_SHARES = {
+    "prediction_exact": "exact_predictions",
+    "prediction_within_block": "block_predictions",
+    "prediction_over": "over_predictions",
+    "prediction_over_pending": "over_pending",
+    "prediction_over_evicted": "over_evicted",
+    "prediction_over_unexplained": "over_unexplained",
+}
+
+
 def prediction_shares(before: Snapshot, after: Snapshot, policy: str) -> Row:
     """Of this run's predictions: the share the engines' figures matched exactly, those
-    within one KV block, and those that predicted more cached tokens than were found."""
-    keys = ("prediction_exact", "prediction_within_block", "prediction_over")
+    within one KV block, and those that predicted more cached tokens than were found,
+    in all and by cause (router/core.py, OVER_CAUSES)."""
     if not before.gateways or not after.gateways:
-        return dict.fromkeys(keys)
+        return dict.fromkeys(PREDICTION_SHARES)
 
     def counts(snap: Snapshot) -> list[int]:
         every = [c for g in snap.gateways for c in g.by_policy(policy)]
-        fields = ("predictions", "exact_predictions", "block_predictions", "over_predictions")
+        fields = ("predictions", *PREDICTION_SHARES.values())
         return [sum(getattr(c, name) for c in every) for name in fields]
 
     made, *shares = (now - then for now, then in zip(counts(after), counts(before), strict=True))
     return {
-        key: share / made if made > 0 else None for key, share in zip(keys, shares, strict=True)
+        key: share / made if made > 0 else None
+        for key, share in zip(PREDICTION_SHARES, shares, strict=True)
     }
 
 

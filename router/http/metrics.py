@@ -19,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from router.core import OVER_CAUSES
 from router.fair.admission import AdmissionQueue
 from router.fleet.backends import BackendPool
 from router.path.accounting import Accounting, RequestCounts
@@ -178,6 +179,16 @@ class BackendMetrics:
                 for outcome, read in OUTCOMES:
                     outcomes.add_metric([name, policy, outcome], read(counts))
         yield outcomes
+        causes = CounterMetricFamily(
+            "prefix_router_over_predictions",
+            "Predictions over the replica's figure, by cause (router/core.py, OVER_CAUSES).",
+            labels=["replica", "policy", "cause"],
+        )
+        for name in names:
+            for policy, counts in by_backend.get(name, {}).items():
+                for cause in OVER_CAUSES:
+                    causes.add_metric([name, policy, cause], getattr(counts, f"over_{cause}"))
+        yield causes
 
     def _by_replica(self) -> Iterable[Metric]:
         errors = self._accounting.upstream_errors

@@ -141,7 +141,11 @@ class Accounting:
         if cached is not None and request.predicted_cached_tokens is not None:
             counts = self.by_backend[replica.replica_id][policy.name]
             counts.predicted(
-                request.predicted_cached_tokens, cached, self.block_tokens, self.tolerance_tokens
+                request.predicted_cached_tokens,
+                cached,
+                self.block_tokens,
+                self.tolerance_tokens,
+                request.over_cause,
             )
 
     def _count_request(

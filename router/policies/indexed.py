@@ -53,13 +53,16 @@ class IndexedPolicy(Policy):
         self.index.request_ended(replica.replica_id, request.stride_hashes)
 
     def _over_predicted(self, request: RoutingRequest, replica: ReplicaState, cached: int) -> None:
-        """Where the engine and the replica's events disagree (:meth:`_disagrees`), what the
-        index held of the prompt beyond ``cached`` is dropped and the stream applied again
-        from the dispatch on (:meth:`PrefixIndex.disagree`), where it can be: counted apart
-        from the answers where only the decisions said more (:meth:`PrefixIndex.correct`)."""
+        """Where the engine and the replica's events disagree (cause ``unexplained``, see
+        :meth:`_over_cause`), what the index held of the prompt beyond ``cached`` is
+        dropped and the stream applied again from the dispatch on
+        (:meth:`PrefixIndex.disagree`), where it can be: counted apart from the answers
+        where only the decisions said more, or an eviction was told
+        (:meth:`PrefixIndex.correct`)."""
         index, replica_id, hashes = self.index, replica.replica_id, request.stride_hashes
         stream, batch = replica.kv_stream, request.events_batch
-        if not self._disagrees(request, replica, cached):
+        request.over_cause = self._over_cause(request, replica, cached)
+        if request.over_cause != "unexplained":
             replica.decision_corrections += 1
             index.correct(replica_id, hashes, cached)
             return
@@ -80,16 +83,18 @@ class IndexedPolicy(Policy):
         index.disagree(replica_id, hashes, cached)
         stream.replay_since(batch)
 
-    def _disagrees(self, request: RoutingRequest, replica: ReplicaState, cached: int) -> bool:
-        """Whether the engine found fewer cached tokens than the replica's events alone
-        said at the dispatch, though they told of no eviction of the prompt since (an
-        eviction while the request waited in the engine's queue is no disagreement)."""
+    def _over_cause(self, request: RoutingRequest, replica: ReplicaState, cached: int) -> str:
+        """Why the engine found ``cached`` tokens, fewer than predicted (router/core.py,
+        OVER_CAUSES): no fewer than the replica's events alone said at the dispatch
+        (``pending``); fewer, with an eviction of the prompt told since (``evicted``: it
+        waited in the engine's queue and lost them); fewer, none told (``unexplained``)."""
         shown = request.events_cached_tokens
         if shown is None or cached >= shown:
-            return False
+            return "pending"
         stride = self.index.stride_tokens
         missed = request.stride_hashes[cached // stride : shown // stride]
-        return not self.index.evicted_in_flight(replica.replica_id, missed)
+        evicted = self.index.evicted_in_flight(replica.replica_id, missed)
+        return "evicted" if evicted else "unexplained"
 
     def on_replica_added(self, replica: ReplicaState) -> None:
         capacity = self._index_capacity(replica)

@@ -54,11 +54,18 @@ TINY_ON_A_CORE = StepCosts(
 LIVE_REPLAY_GAP = 0.03
 
 
+def played_requests(meta: dict) -> int:
+    """The requests of the workload the report says it played (its chat load)."""
+    chat = {k: v for k, v in meta["chat"].items() if k != "seed"}
+    return BenchConfig(chat=chat, seed=meta["seed"]).load().num_requests
+
+
 def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[dict]:
     report = json.loads((out / "report.json").read_text())
     rows = report["rows"]
     assert [r["label"] for r in rows] == policies
-    requests = expected_requests()
+    requests = played_requests(report["meta"])
+    assert report["meta"]["sizing"] is not None or requests == expected_requests()
     for row in rows:
         # Every session was played to the end, without a failure...
         assert row["requests"] == requests and row["failures"] == 0
@@ -68,6 +75,7 @@ def check_report(out: Path, policies: list[str], replayed: bool = True) -> list[
         assert row["client_token_hit_rate"] == row["token_hit_rate"]
         assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
         assert row["imbalance"] >= 1.0 and 0.0 <= row["cpu_busy"] <= 1.0
+        assert 0.0 <= row["cpu_pressure"] <= 1.0  # Linux says it
         if replayed:
             live, replay = row["token_hit_rate"], row["replay_token_hit_rate"]
             assert abs(live - replay) <= LIVE_REPLAY_GAP, (
@@ -107,6 +115,34 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
     assert rows[0]["prediction_accuracy"] is None
     assert rows[1]["prediction_accuracy"] >= 0.9 and rows[2]["prediction_accuracy"] >= 0.95
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
+
+
+def test_bench_sizes_its_load_to_the_engines_it_runs_on(tmp_path):
+    replica = ["replica", "--speedup", "4", "--num-blocks", "512"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={url}" for url in replicas]]
+        with running(gateway) as (url,):
+            done = bench(
+                tmp_path, "--gateway", url, "--policies", "cache_aware", "--size-load", "0.3"
+            )
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = json.loads((tmp_path / "report.json").read_text())["meta"]
+    sizing, chat = meta["sizing"], meta["chat"]
+    # The twin's engines, routed round robin, are busy the asked share of the time
+    # while sessions arrive, as long as the given load's did (8 at 4 a second): close,
+    # as a few sessions, each another draw of turns, allow.
+    assert sizing["busy_share"] == pytest.approx(0.3, rel=0.1)
+    assert (chat["session_rate"], chat["num_sessions"]) == (
+        sizing["session_rate"],
+        sizing["num_sessions"],
+    )
+    assert sizing["num_sessions"] == round(sizing["session_rate"] * 2) != 8
+    # Our replicas' twin is exact: no engine timed.
+    assert sizing["profile"] == "" and not (tmp_path / "calibration").exists()
+    check_report(tmp_path, ["cache_aware"])  # every sized session played, replay beside
+    markdown = (tmp_path / "report.md").read_text()
+    assert f"sessions at {sizing['session_rate']:.2f} per second" in markdown
+    assert "load sized to the engines" in done.stderr
 
 
 def test_bench_puts_sglangs_router_beside_ours_on_the_same_replicas(tmp_path):

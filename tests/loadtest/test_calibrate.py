@@ -14,9 +14,12 @@ from deploy.processes import free_port, running
 from loadtest.calibrate import Server
 from prefix_router.cli import main
 from replica.api.cost_model import PROFILES, StepCosts, get_profile
+from replica.api.fleet_token import ENV_FLEET_TOKEN
 from tests.shared import prefix_router
 
 pytestmark = pytest.mark.slow
+
+TOKEN = "the-fleets-token"
 
 #: Known terms, large enough to stand out of a loaded machine's HTTP noise.
 KNOWN = StepCosts(step_s=10e-3, seq_s=2e-3, token_s=50e-6, attention_pair_s=40e-9)
@@ -26,11 +29,16 @@ def test_calibrate_recovers_a_simulated_replicas_terms_and_writes_a_profile(tmp_
     known = tmp_path / "known.json"
     replace(PROFILES["llama3-8b-h100"], name="known", costs=KNOWN, kv_tokens=65536).save(known)
     out = tmp_path / "calibrated"
-    with running(["replica", "--profile", str(known)]) as (url,):
+    token = tmp_path / "fleet-token"
+    token.write_text(TOKEN)
+    # a fleet's replica, that answers only the fleet's token
+    with running(["replica", "--profile", str(known)], env={ENV_FLEET_TOKEN: TOKEN}) as (url,):
         done = prefix_router(
             "calibrate",
             "--backend",
             url,
+            "--fleet-token-file",
+            str(token),
             *shlex.split(
                 "--prompt-lengths 128,512,1024,2048 --cached-fractions 0,0.5 --batch-sizes 1,4,8 "
                 "--decode-contexts 128,512 --decode-tokens 16 --repeats 3"

@@ -71,6 +71,8 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
             under_predictions=2,
             over_predicted_tokens=384,
             under_predicted_tokens=784,
+            # a replica known by no events: the prediction was the router's decisions
+            over_pending=1,
         )
     }
     assert second.by_policy == {"round_robin": PolicyCounts(1, 0, 0, 0, 0)}
@@ -90,6 +92,9 @@ def test_counters_per_policy_backend_and_tenant_build_stats_and_metrics():
     assert (
         'prefix_router_over_predicted_tokens_total{policy="cache_aware",replica="a"} 384.0' in text
     )
+    for cause, count in (("pending", 1), ("evicted", 0), ("unexplained", 0)):
+        labels = f'cause="{cause}",policy="cache_aware",replica="a"'
+        assert f"prefix_router_over_predictions_total{{{labels}}} {count}.0" in text
     assert 'prefix_router_unkeyed_event_blocks_total{replica="a"} 0.0' in text
     assert 'prefix_router_upstream_errors_total{replica="b"} 1.0' in text
     assert 'prefix_router_tenant_cached_tokens_total{tenant="acme"} 1296.0' in text

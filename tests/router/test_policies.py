@@ -365,6 +365,7 @@ def test_an_answer_below_what_the_events_said_drops_them_and_replays_the_stream(
     assert (asked.events_cached_tokens, asked.events_batch) == (2048, 7)
     load.completed(pol, asked, chosen, cached_tokens=0)  # blocks let go without an event
     assert (chosen.event_disagreements, chosen.decision_corrections) == (1, 0)
+    assert asked.over_cause == "unexplained"
     assert stream.replays == [7]
     assert pol.holders(asked) == {}  # what the events said of it is dropped
     assert pol.prefix_index().events_held(chosen.replica_id, asked.stride_hashes) == 0
@@ -385,6 +386,7 @@ def test_an_answer_below_what_only_the_decisions_said_is_a_correction_not_a_disa
     load.completed(pol, again, replicas[0], cached_tokens=0)
     load.completed(pol, routed, replicas[0], cached_tokens=0)
     assert (replicas[0].event_disagreements, replicas[0].decision_corrections) == (0, 1)
+    assert (again.over_cause, routed.over_cause) == ("pending", None)
 
     told = request(history, "told")
     pol.on_kv_events(replicas[0], held_events(history, "GPU"))
@@ -394,4 +396,5 @@ def test_an_answer_below_what_only_the_decisions_said_is_a_correction_not_a_disa
     pol.on_kv_events(replicas[0], [KVEvent(3, "removed", removed, medium="GPU")])
     load.completed(pol, told, replicas[0], cached_tokens=0)  # evicted while it waited
     assert (replicas[0].event_disagreements, replicas[0].decision_corrections) == (0, 2)
+    assert told.over_cause == "evicted"
     assert stream.replays == []
