@@ -63,7 +63,6 @@ TABLE_KEYS = (
     "prediction_within_block",
     "prediction_over",
     "cpu_busy",
-    "cpu_pressure",
 )
 #: What P/D is for: goodput, and the latencies it is made of, live beside the replay.
 GOODPUT_KEYS = (
@@ -100,12 +99,11 @@ every replica's cache was emptied:
   `prediction_within_block` and `prediction_over` the shares it predicted exactly,
   within one KV block, and above the engine's figure.
 - `cpu_busy`: mean share of this machine's CPUs in use during the run (all
-  processes: Locust, gateway, replicas). vLLM's CPU build counts as busy while it
-  polls for its next step (a second after each, yielding to any other task), so a
-  vLLM fleet reads near 100% at any load that keeps it stepping.
-- `cpu_pressure`: share of the run in which some runnable task waited for a CPU
-  (Linux's pressure stall information): how starved the machine was. High, the
-  machine, not the engines, would set the latencies.
+  processes: Locust, gateway, replicas). Near 100% the machine, not the simulated
+  GPUs, would set the latencies; but vLLM's CPU build keeps a core busy while it polls
+  for its next step (for a second after each, yielding to any other task), so a vLLM
+  fleet reads near 100% at any load that keeps it stepping: there the replay's
+  latencies (the engines alone) beside the live ones say more.
 """
 
 
@@ -419,8 +417,7 @@ def write_report(
         "",
         *_sizing_lines(meta.get("sizing")),
         f"CPU: at most {busy:.0%} busy on average during a run (busiest second "
-        f"{max(r['cpu_busy_peak'] for r in rows):.0%}), over {meta['cpu_count']} CPUs"
-        + _pressure_text(rows)
+        f"{max(r['cpu_busy_peak'] for r in rows):.0%}), over {meta['cpu_count']} CPUs."
         if busy is not None
         else "CPU: not measured.",
         "",
@@ -475,17 +472,6 @@ def _event_latency_lines(rows: Sequence[Row]) -> list[str]:
         f"p99 {p99 * 1e3:.1f} ms (every stream, every gateway, the whole bench).",
         "",
     ]
-
-
-def _pressure_text(rows: Sequence[Row]) -> str:
-    """The runs' CPU pressure, where the kernel said it, to end the CPU's sentence."""
-    pressures = [r["cpu_pressure"] for r in rows if r.get("cpu_pressure") is not None]
-    if not pressures:
-        return "."
-    return (
-        f"; some task waited for a CPU {min(pressures):.0%} to {max(pressures):.0%} of "
-        "the time (`cpu_pressure`)."
-    )
 
 
 def _sizing_lines(sizing: dict[str, Any] | None) -> list[str]:

@@ -40,28 +40,6 @@ class LocustRun:
     cpu_busy: float
     cpu_busy_peak: float
     timeline: Timeline
-    #: The share of the run some runnable task waited for a CPU (``None``: the kernel
-    #: does not say): :func:`cpu_stalled_s`.
-    cpu_pressure: float | None = None
-
-
-#: Linux's pressure stall information for CPUs (kernel 4.20 on).
-CPU_PRESSURE = Path("/proc/pressure/cpu")
-
-
-def cpu_stalled_s() -> float | None:
-    """The seconds, since boot, in which some runnable task waited for a CPU (the
-    ``some`` line of Linux's pressure stall information); ``None`` where it is not kept.
-    Unlike the CPUs' busy share, it measures starvation: vLLM's CPU build keeps a core
-    busy polling for its next step for a second after each (``shm_broadcast``'s busy
-    loop, yielding to any other task), so a vLLM fleet reads busy at any load, while
-    no task may be waiting."""
-    try:
-        line = CPU_PRESSURE.read_text().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    fields = dict(field.split("=") for field in line.split()[1:])
-    return int(fields["total"]) / 1e6 if "total" in fields else None
 
 
 def locust_command(config: BenchConfig, gateways: list[str], prefix: Path) -> list[str]:
@@ -91,7 +69,6 @@ def run_locust(
     replicas are sampled every second for the charts over time."""
     log = prefix.with_name(prefix.name + "_locust.log")
     psutil.cpu_percent()  # starts the measuring interval
-    stalled = cpu_stalled_s()
     started = time.monotonic()
     timeline = Timeline(start=time.time())
     samples: list[float] = []
@@ -116,8 +93,6 @@ def run_locust(
             bar.update(max(now - seen, 0))
             seen = now
     elapsed = time.monotonic() - started
-    stalled_now = cpu_stalled_s()
-    pressure = (stalled_now - stalled) / elapsed if stalled is not None and stalled_now else None
     if process.returncode not in (0, 1):  # 1: some requests failed, which the row shows
         raise RuntimeError(f"locust exited with {process.returncode}: {log.read_text()[-2000:]}")
     requests, failures = _locust_counts(Path(f"{prefix}_stats.csv"))
@@ -125,7 +100,7 @@ def run_locust(
     timeline.add_answers(client_figures.pop("answers", []))
     busy = float(np.mean(samples)) if samples else 0.0
     peak = max(samples, default=0.0)
-    return LocustRun(requests, failures, elapsed, client_figures, busy, peak, timeline, pressure)
+    return LocustRun(requests, failures, elapsed, client_figures, busy, peak, timeline)
 
 
 def _replicas_now(client: httpx.Client, fleet: Fleet) -> list[ReplicaStats]:

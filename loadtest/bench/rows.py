@@ -111,7 +111,6 @@ def _client_figures(run: LocustRun, config: BenchConfig) -> Row:
         "duration_s": run.elapsed_s,
         "cpu_busy": run.cpu_busy,
         "cpu_busy_peak": run.cpu_busy_peak,
-        "cpu_pressure": run.cpu_pressure,
     }
 
 
