@@ -275,6 +275,8 @@ def run_bench(args: argparse.Namespace) -> int:
         slo_ttft_s=args.slo_ttft_s,
         slo_itl_s=args.slo_itl_s,
     )
+    if args.size_load:
+        bench.check_size_load(args.size_load, args.workload)
     out = Path(args.out)
     with _target(args) as (gateways, description, token):
         print(f"bench: {description}; policies {', '.join(policies)}", file=sys.stderr)

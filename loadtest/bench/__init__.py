@@ -19,7 +19,7 @@ only (against another target, it is only a label).
 from loadtest.bench.comparison import compare
 from loadtest.bench.config import BENCH_HOST_BLOCKS, BENCH_REPLICA_BLOCKS, BenchConfig
 from loadtest.bench.prediction import REPLAY_TOLERANCE
-from loadtest.bench.sizing import Sizing, sized
+from loadtest.bench.sizing import Sizing, check_size_load, sized
 from loadtest.bench.targets import cluster_gateways, embedded
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "REPLAY_TOLERANCE",
     "BenchConfig",
     "Sizing",
+    "check_size_load",
     "cluster_gateways",
     "compare",
     "embedded",

@@ -29,7 +29,7 @@ from loadtest.bench.config import BenchConfig
 from loadtest.bench.targets import Fleet, discover
 from loadtest.calibrate import CalibrateConfig, calibrate, report, write_calibration
 from loadtest.replay import ReplayConfig, replay
-from loadtest.workloads import Workload, retokenized
+from loadtest.workloads import Workload, retokenized, workload_kind
 from replica.api.cost_model import get_profile
 from replica.api.fleet_token import bearer
 from replica.api.model_tokenizer import load_tokenizer
@@ -74,8 +74,7 @@ def size_load(
 ) -> tuple[BenchConfig, Sizing]:
     """``config`` with its chat load sized so that the fleet's twin is busy
     ``target_share`` of the time, and what was found; the calibration in ``out``."""
-    if not 0 < target_share < 1:
-        raise ValueError(f"--size-load {target_share}: a share of the time, in (0, 1)")
+    check_size_load(target_share, config.workload)
     profile = config.replay_profile
     twin = fleet.replay_config(profile)
     if twin is None:  # engines not ours, untimed: time one
@@ -101,6 +100,16 @@ def size_load(
     sized = _at_rate(config, rate, window_s)
     found = Sizing(sized.chat["session_rate"], sized.chat["num_sessions"], share, profile)
     return replace(sized, replay_profile=profile), found
+
+
+def check_size_load(target_share: float, workload: str) -> None:
+    """``ValueError`` if ``--size-load`` cannot size this load (before anything starts)."""
+    if not 0 < target_share < 1:
+        raise ValueError(f"--size-load {target_share}: a share of the time, in (0, 1)")
+    if not workload_kind(workload).chat:
+        raise ValueError(
+            f"--size-load sizes the chat workload's session rate; {workload} sets its own arrivals"
+        )
 
 
 def calibrate_engine(fleet: Fleet, out: Path) -> Path:

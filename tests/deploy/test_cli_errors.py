@@ -100,3 +100,17 @@ def test_a_bad_trace_line_is_named_by_file_and_line(tmp_path: Path, text, says):
     trace.write_text(f"{good}\n{text}\n")
     line = refused("replay", "--workload", f"trace:{trace}", "--no-progress")
     assert f"{trace}, line 2: " in line and says in line
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--size-load", "1.5"], "--size-load 1.5: a share of the time, in (0, 1)"),
+        (
+            ["--size-load", "0.4", "--workload", "trace:mooncake.jsonl"],
+            "--size-load sizes the chat workload's session rate; trace:mooncake.jsonl sets",
+        ),
+    ],
+)
+def test_a_bench_load_that_cannot_be_sized_is_refused_before_anything_starts(args, says):
+    assert says in refused("bench", "--gateway", BACKEND, "--no-progress", *args)
