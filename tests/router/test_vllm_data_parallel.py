@@ -1,6 +1,7 @@
 """A vLLM server of two data-parallel engines (vLLM's CPU build, the tiny model) behind
 the gateway: routed as two replicas, one per rank, each followed on its own KV-event
-socket and checked with a canary sent to it, each request pinned to its rank."""
+socket and checked with a canary sent to it, each request pinned to its rank; split so
+also by a gateway that joined it before it said it had two engines."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ def two_ranks(tiny_model: Path) -> Iterator[VLLMServer]:
     engine = VLLMConfig(str(tiny_model), (*VLLM_ARGS, "--data-parallel-size", "2"), dev_mode=True)
     server = VLLMServer(engine, "127.0.0.1", Ports(free_port(), events, events + 2))
     try:
-        server.start()
+        server.launch()  # not waited for: the test joins a gateway to it while it starts
         yield server
     finally:
         stop_together([server])
@@ -39,6 +40,26 @@ def warm(server: VLLMServer, model: Path, prompt: str, rank: int) -> None:
 
 
 def test_a_data_parallel_server_is_routed_as_a_replica_per_rank(two_ranks, tiny_model, tmp_path):
+    backend = vllm_backend(two_ranks)
+    # One gateway joins the server while it starts (one replica, down, nothing said of
+    # its engines yet), another once it serves; both route it as a replica per rank.
+    with gateway(tmp_path / "early.log", [backend], *matching(tiny_model)) as early:
+        two_ranks.wait_ready()
+        routed_per_rank(two_ranks, tiny_model, tmp_path)
+        # The early one split the server once it said it has two engines, checked each
+        # rank, and followed each rank's stream: a prompt each engine alone holds, warmed
+        # while it followed them, goes to its engine and is predicted.
+        stats = wait_until_checked(early, 2, timeout_s=120)
+        ranks = [(b.replica_id, b.data_parallel_rank, b.routing_mode) for b in stats.backends]
+        assert ranks == [(f"{two_ranks.url}#dp{r}", r, "precise") for r in (0, 1)]
+        for rank in (0, 1):
+            answer = complete(early, tiny_model, text(seed=10 + rank, words=700) + "three")
+            assert answer.headers["x-prefix-router-replica"] == f"{two_ranks.url}#dp{rank}"
+            assert int(answer.headers["x-prefix-router-predicted-cached-tokens"]) >= 600
+
+
+def routed_per_rank(two_ranks: VLLMServer, tiny_model: Path, tmp_path: Path) -> None:
+    """A gateway started once the server serves: a replica per rank from its join on."""
     backend = vllm_backend(two_ranks)
     with gateway(tmp_path / "gateway.log", [backend], *matching(tiny_model)) as url:
         stats = wait_until_checked(url, 2, timeout_s=120)
