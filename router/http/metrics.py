@@ -9,6 +9,7 @@ replicas: its topology) and by tenant are an administrator's to scrape (Promethe
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -55,6 +56,10 @@ OUTCOMES: tuple[tuple[str, Callable[[PolicyCounts], int]], ...] = (
     ("exact", lambda c: c.exact_predictions),
     ("over", lambda c: c.over_predictions),
     ("under", lambda c: c.under_predictions),
+)
+#: ``prefix_router_over_predictions{cause}``: the over-predictions by cause.
+OVER_CAUSE_COUNTS: tuple[tuple[str, Callable[[PolicyCounts], int]], ...] = tuple(
+    (cause, operator.attrgetter(f"over_{cause}")) for cause in OVER_CAUSES
 )
 #: ``prefix_router_tenant_*`` families, each read from ``RequestCounts``.
 BY_TENANT: tuple[tuple[str, str, Callable[[RequestCounts], int]], ...] = (
@@ -169,26 +174,36 @@ class BackendMetrics:
                 for policy, counts in by_backend.get(name, {}).items():
                     family.add_metric([name, policy], read(counts))
             yield family
-        outcomes = CounterMetricFamily(
-            "prefix_router_predictions",
+        yield self._per_label(
+            "predictions",
             "Cached-token predictions by outcome against the replica's figure.",
-            labels=["replica", "policy", "outcome"],
+            "outcome",
+            OUTCOMES,
         )
-        for name in names:
-            for policy, counts in by_backend.get(name, {}).items():
-                for outcome, read in OUTCOMES:
-                    outcomes.add_metric([name, policy, outcome], read(counts))
-        yield outcomes
-        causes = CounterMetricFamily(
-            "prefix_router_over_predictions",
+        yield self._per_label(
+            "over_predictions",
             "Predictions over the replica's figure, by cause (router/core.py, OVER_CAUSES).",
-            labels=["replica", "policy", "cause"],
+            "cause",
+            OVER_CAUSE_COUNTS,
         )
-        for name in names:
-            for policy, counts in by_backend.get(name, {}).items():
-                for cause in OVER_CAUSES:
-                    causes.add_metric([name, policy, cause], getattr(counts, f"over_{cause}"))
-        yield causes
+
+    def _per_label(
+        self,
+        metric: str,
+        text: str,
+        label: str,
+        readers: tuple[tuple[str, Callable[[PolicyCounts], int]], ...],
+    ) -> Metric:
+        """One family of per-policy counts, each reader's value under its ``label``."""
+        family = CounterMetricFamily(
+            f"prefix_router_{metric}", text, labels=["replica", "policy", label]
+        )
+        for backend in self._pool.backends:
+            name = backend.state.replica_id
+            for policy, counts in self._accounting.by_backend.get(name, {}).items():
+                for value, read in readers:
+                    family.add_metric([name, policy, value], read(counts))
+        return family
 
     def _by_replica(self) -> Iterable[Metric]:
         errors = self._accounting.upstream_errors

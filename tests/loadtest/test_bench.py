@@ -113,6 +113,11 @@ def test_bench_compares_policies_through_our_gateway(tmp_path):
     # the engine reported (round robin predicts nothing: unknown, not zero).
     assert rows[0]["prediction_accuracy"] is None
     assert rows[1]["prediction_accuracy"] >= 0.9 and rows[2]["prediction_accuracy"] >= 0.95
+    # Every over-prediction is counted with its cause.
+    for row in rows[1:]:
+        causes = ("pending", "evicted", "unexplained")
+        by_cause = sum(row[f"prediction_over_{cause}"] for cause in causes)
+        assert by_cause == pytest.approx(row["prediction_over"])
     assert all(r["replicas"] == 2 and r["capacity_blocks"] == 512 for r in rows)
 
 
