@@ -4,17 +4,19 @@ modes.
 
     python -m benchmarks.bench_tenants [--seconds 40] [--fairness fcfs,vtc,prefill]
 
-Four simulated replicas at 0.05x speed behind one gateway that admits
-``--max-outstanding`` requests per replica and queues the rest (router/fair/fairness.py,
-router/fair/slots.py). Each steady tenant streams chats at 2 requests/s on its own
-1,200-token system prompt with a new question each time; the noisy tenant sends 20
-requests/s on its own. The first run has the steady tenants alone; then one run per
-fairness mode with the noisy tenant too, each on fresh replicas (no cache carried
-over). The requests are drawn once, as a workload (the same arrival times, prompts
-and lengths in every run), and each run is replayed on the fleet's simulated twin
-(``loadtest/replay/``: the same engines, policy and admission in virtual time).
-Prints each tenant's TTFT p50 and p99, live (from sending to the first streamed
-token, as the client sees it) beside the twin's, and its refusals (429) and failures.
+Four simulated replicas at 0.05x speed (each engine running ``--max-num-seqs`` at once)
+behind one gateway that admits ``--max-outstanding`` requests per replica, and a tenant
+beyond its share while an engine keeps fewer than ``--max-engine-waiting`` waiting, and
+queues the rest (router/fair/fairness.py, router/fair/slots.py). Each steady tenant
+streams chats at 2 requests/s on its own 1,200-token system prompt with a new question
+each time; the noisy tenant sends 20 requests/s on its own. The first run has the steady
+tenants alone; then one run per fairness mode with the noisy tenant too, each on fresh
+replicas (no cache carried over). The requests are drawn once, as a workload (the same
+arrival times, prompts and lengths in every run), and each run is replayed on the
+fleet's simulated twin (``loadtest/replay/``: the same engines, policy and admission in
+virtual time). Prints each tenant's TTFT p50 and p99, live (from sending to the first
+streamed token, as the client sees it) beside the twin's, and its refusals (429) and
+failures.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from deploy.processes import running
 from loadtest.replay import ReplayConfig, replay
+from loadtest.report import replay_row
 from loadtest.workloads import Session, Turn, Workload
 from replica.api.tokenizer import ByteTokenizer, Message
 
@@ -139,9 +142,12 @@ async def offer(url: str, workload: Workload, outcomes: dict[str, Outcome]) -> N
         await asyncio.gather(*tasks)
 
 
-def live(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[str, Outcome]:
+def live(
+    workload: Workload, fairness: str, args: argparse.Namespace
+) -> tuple[dict[str, Outcome], float]:
+    """Each tenant's outcome, and the fleet's token hit rate (the gateway's figure)."""
     outcomes = {name: Outcome() for name in tenants_of(workload)}
-    replica = ["replica", "--speedup", str(args.speedup)]
+    replica = ["replica", "--speedup", str(args.speedup), "--max-num-seqs", str(args.max_num_seqs)]
     with TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.txt"
         keys.write_text("".join(f"key-{name} {name}\n" for name in outcomes))
@@ -149,30 +155,38 @@ def live(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[st
             backends = [f"--backend={u}" for u in replicas]
             slots = ["--max-outstanding-per-replica", str(args.max_outstanding)]
             slots += ["--fair-reserve-per-replica", str(args.reserve), "--fairness", fairness]
+            slots += ["--max-engine-waiting", str(args.max_engine_waiting)]
             queue = ["--max-queued", "100000", "--queue-timeout-s", "300"]
             gateway = ["gateway", *backends, "--api-keys-file", str(keys), *slots, *queue]
             with running(gateway) as (url,):
                 asyncio.run(offer(url, workload, outcomes))
-    return outcomes
+                totals = httpx.get(f"{url}/stats").json()["totals"]
+    return outcomes, totals["token_hit_rate"] or 0.0
 
 
-def twin(workload: Workload, fairness: str, args: argparse.Namespace) -> dict[str, Outcome]:
-    """The same requests on simulated replicas in virtual time (as ``replay``)."""
+def twin(
+    workload: Workload, fairness: str, args: argparse.Namespace
+) -> tuple[dict[str, Outcome], float]:
+    """The same requests on simulated replicas in virtual time (as ``replay``): each
+    tenant's outcome, and the fleet's token hit rate."""
     config = ReplayConfig(
         replicas=args.replicas,
         compute_scale=args.speedup,
         max_outstanding=args.max_outstanding,
         fair_reserve_per_replica=args.reserve,
+        max_engine_waiting=args.max_engine_waiting,
+        max_num_seqs=args.max_num_seqs,
         fairness=fairness,
     )
     outcomes = {name: Outcome() for name in tenants_of(workload)}
-    for record in replay(workload, config, "cache_aware").records:
+    result = replay(workload, config, "cache_aware")
+    for record in result.records:
         outcome = outcomes[record.tenant or ""]
         if record.first_token_s is None:
             outcome.failed += 1
         else:
             outcome.ttfts.append(record.first_token_s - record.arrival_s)
-    return outcomes
+    return outcomes, replay_row(result)["token_hit_rate"]
 
 
 def tenants_of(workload: Workload) -> list[str]:
@@ -185,10 +199,18 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return float(np.percentile(values, 50)), float(np.percentile(values, 99))
 
 
-def report(label: str, seen: dict[str, Outcome], replayed: dict[str, Outcome]) -> None:
-    for name, outcome in seen.items():
+def report(
+    label: str, seen: tuple[dict[str, Outcome], float], replayed: tuple[dict[str, Outcome], float]
+) -> None:
+    (outcomes, hit_rate), (twin_outcomes, twin_hit_rate) = seen, replayed
+    print(
+        f"| {label} | (fleet) | token hit rate {100 * hit_rate:.1f}% "
+        f"| | | twin {100 * twin_hit_rate:.1f}% | | | |",
+        flush=True,
+    )
+    for name, outcome in outcomes.items():
         p50, p99 = percentiles(outcome.ttfts)
-        twin50, twin99 = percentiles(replayed[name].ttfts)
+        twin50, twin99 = percentiles(twin_outcomes[name].ttfts)
         print(
             f"| {label} | {name} | {len(outcome.ttfts)} | {1000 * p50:.0f} ms | "
             f"{1000 * p99:.0f} ms | {1000 * twin50:.0f} ms | {1000 * twin99:.0f} ms "
@@ -205,6 +227,8 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=0.05)
     parser.add_argument("--max-outstanding", type=int, default=16)
     parser.add_argument("--reserve", type=int, default=2, help="--fair-reserve-per-replica")
+    parser.add_argument("--max-engine-waiting", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="each replica's engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--twin-only", action="store_true", help="replay only, no live run")
     args = parser.parse_args()

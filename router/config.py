@@ -123,6 +123,10 @@ class GatewayConfig:
     #: slots may not take (router/fair/fairness.py): free for a lighter tenant's next
     #: request, so that it does not wait for a flood's to end. At most all but one.
     fair_reserve_per_replica: int = 2
+    #: Requests that a tenant holding more than its share may leave waiting in an
+    #: engine's own queue (router/fair/slots.py): past them, its requests wait in the
+    #: gateway's fair queue even below the cap. 0: engines' queues are not asked.
+    max_engine_waiting: int = 4
     #: The largest request body accepted (413 beyond).
     max_request_bytes: int = 16 * 2**20
     #: The longest prompt accepted (413 beyond); 0: the longest any backend serves, as
@@ -148,6 +152,7 @@ class GatewayConfig:
         _at_least(
             0,
             max_queued=self.max_queued,
+            max_engine_waiting=self.max_engine_waiting,
             max_retries=self.max_retries,
             retry_backoff_s=self.retry_backoff_s,
             max_prompt_tokens=self.max_prompt_tokens,

@@ -62,6 +62,12 @@ class ReplicaState:
     #: KV blocks it could give a new request now, as it last said (``None``: not known,
     #: as for an engine that does not report its load).
     free_blocks: int | None = None
+    #: Requests waiting in its engine's own queue, not running yet, as it last said
+    #: (``None``: not said), and the most its engine runs at once, as its card says
+    #: (vLLM's ``max_num_seqs``; ``None``: not said). Admission reads both
+    #: (router/fair/slots.py).
+    engine_waiting: int | None = None
+    max_num_seqs: int | None = None
     #: The model it serves and the LoRA adapters on it, as it says of itself (``None``:
     #: not said; see router/fleet/models.py).
     model: str | None = None

@@ -138,6 +138,7 @@ class Gateway:
             default_capacity_blocks=config.capacity_blocks,
             check=check if config.check_backends else None,
             describe_interval_s=config.describe_interval_s,
+            on_report=self._reported,
         )
 
     def _stages(self, fair: FairShare) -> tuple[Resolver, Admitter, Placer, Dispatcher]:
@@ -221,6 +222,10 @@ class Gateway:
     def _added(self, state: ReplicaState) -> None:
         self.models.added(state)
         self.queue.slot_freed()  # requests for its model may be waiting for it
+
+    def _reported(self, state: ReplicaState) -> None:
+        if len(self.queue):  # its engine's queue may have shrunk below the bound
+            self.queue.slot_freed()
 
     def tenant_footprint(self) -> dict[str, dict[str, int]]:
         """Each tenant's blocks on each replica's GPU (by replica id), as the precise

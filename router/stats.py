@@ -82,6 +82,10 @@ class BackendStats:
     load_prefill_tokens: int = 0
     #: KV blocks it could give a new request, as it last reported (None: not said).
     free_blocks: int | None = None
+    #: Requests waiting in its engine's own queue, as it last reported, and the most its
+    #: engine runs at once, as its card says (None: not said); see router/fair/slots.py.
+    engine_waiting: int | None = None
+    max_num_seqs: int | None = None
     #: How its cache is known: ``checking`` (its join check runs; routed approximately
     #: meanwhile), ``precise`` (from its events) or ``approximate`` (from the router's
     #: decisions), with the reason: what differs and the flag that fixes it.

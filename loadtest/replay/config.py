@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from replica.api.config import ReplicaConfig
 from replica.engine import EngineConfig
+from router.config import GatewayConfig
 from router.fair.fairness import check_fairness
 from router.fleet.autoscaler import AutoscaleConfig
 from router.policies import PolicyConfig
@@ -63,6 +64,9 @@ class ReplayConfig:
     #: Of a replica's ``max_outstanding``, the slots a tenant beyond its share may not
     #: take (a gateway's ``--fair-reserve-per-replica``; at most all but one).
     fair_reserve_per_replica: int = 2
+    #: Requests a tenant beyond its share may leave waiting in an engine's own queue
+    #: (a gateway's ``--max-engine-waiting``; 0: engines' queues not asked).
+    max_engine_waiting: int = GatewayConfig.max_engine_waiting
     #: Tenants' cache budgets, ``NAME=F,...``: each keeps its new prefixes off replicas
     #: where it holds F of the GPU blocks (a key's ``budget=F``: router/fair/cache_budget.py).
     cache_budgets: str = ""
@@ -109,8 +113,11 @@ class ReplayConfig:
             raise ValueError(f"max_outstanding must not be negative, got {self.max_outstanding}")
         check_fairness(self.fairness)
         _ = self.tenant_budgets  # checks them
-        if self.fair_half_life_s < 0 or self.fair_reserve_per_replica < 0:
-            raise ValueError("fair_half_life_s and fair_reserve_per_replica must not be negative")
+        if min(self.fair_half_life_s, self.fair_reserve_per_replica, self.max_engine_waiting) < 0:
+            raise ValueError(
+                "fair_half_life_s, fair_reserve_per_replica and max_engine_waiting must not be"
+                " negative"
+            )
         if not self.autoscale.fixed:
             if self.fleet:
                 raise ValueError("a fleet of several models (fleet) does not autoscale")

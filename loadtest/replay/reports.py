@@ -4,7 +4,8 @@ With several routers, each hears an engine's KV events and its load report (one 
 every engine step, as a replica publishes its load on change) ``event_delay_s`` after
 they happen, and counts its own dispatches since the last report
 (``router.fleet.load.reported``). One router counts its own load and is told each
-engine's free blocks (and adapters) at once; it hears the KV events after the delay.
+engine's free blocks, waiting requests (and adapters) at once; it hears the KV events
+after the delay.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class EngineReports:
             self._send(index, self._load_report(engine))
             return
         state = self._routers[0].states[index]
-        state.free_blocks = engine.free_blocks
+        state.free_blocks, state.engine_waiting = engine.free_blocks, engine.num_waiting
         if self._adapters:
             state.loaded_adapters = engine.adapters.resident
             state.free_adapter_slots = engine.adapters.free_slots

@@ -66,6 +66,7 @@ class Routers:
                 model=engine.config.model,
                 adapters=frozenset(engine.config.lora_modules),
                 role=role,
+                max_num_seqs=config.max_num_seqs,  # as a live replica's card says
             )
             for i, (engine, role) in enumerate(zip(engines, config.roles, strict=True))
         ]
@@ -109,7 +110,11 @@ class Routers:
         config = self._config
         for router in self.routers:
             state = ReplicaState(
-                f"replica-{index}", config.capacity_blocks or 0, model=config.model, role=role
+                f"replica-{index}",
+                config.capacity_blocks or 0,
+                model=config.model,
+                role=role,
+                max_num_seqs=config.max_num_seqs,
             )
             state.free_blocks = engine.free_blocks
             router.states.append(state)

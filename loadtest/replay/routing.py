@@ -100,4 +100,5 @@ class Router:
             config.max_outstanding,
             config.fair_reserve_per_replica,
             lambda: policy.holders(request.routing),
+            config.max_engine_waiting,
         )

@@ -50,6 +50,9 @@ class EngineCard:
     #: ``--data-parallel-size``): a request picks one with ``X-data-parallel-rank``, and
     #: rank R publishes its KV events where rank 0 does, its ports plus R.
     data_parallel_size: int = 1
+    #: The most requests its engine runs at once (vLLM's ``max_num_seqs``, which its
+    #: server does not publish: ``None``); more wait in the engine's own queue.
+    max_num_seqs: int | None = None
 
 
 def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
@@ -67,6 +70,7 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
         tuple(stats.adapters),
         role=config.role,
         max_model_len=stats.cache.num_blocks * config.block_size,
+        max_num_seqs=config.max_num_seqs,
     )
 
 

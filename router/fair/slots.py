@@ -1,5 +1,5 @@
-"""Which replicas have a slot for a request: the cap, the reserve, and a light tenant's
-home.
+"""Which replicas have a slot for a request: the cap, the reserve, the engine's own
+queue, and a light tenant's home.
 
 A gateway gives each replica at most ``max_outstanding`` requests at a time; the rest
 wait in its queue (router/fair/admission.py), and the replayer's routers do the same.
@@ -16,6 +16,14 @@ With tenants, who may take a slot depends on their share (router/fair/fairness.p
   replica, each computed after the other's. In replay, beside a tenant sending ten
   times their rate, the steady tenants' TTFT p99 went from 1.3-1.8x their figure
   alone to 0.9-1.1x (docs/results.md).
+- A tenant **beyond its share** also adds nothing to an engine's own queue past
+  ``max_engine_waiting`` requests: an engine that runs ``max_num_seqs`` at once (its
+  card says) or that says it keeps requests waiting (its KV cache full) has no slot
+  for it, whatever the cap. The engine's queue is first come, first served, where a
+  light tenant's next request would wait behind the flood's; held at the gateway
+  instead, the backlog is ordered by the fair queue, and the light tenant goes first
+  (docs/results.md, "engines that queue"). A tenant within its share may still queue
+  there, on its prompt's replica: it waits behind at most that many of the flood's.
 - A tenant **within its share** fills any replica up to the cap, and the replicas
   predicted to hold the most of its prompt up to twice the cap. Without that
   overflow, a light tenant's next turn finds its replica full (the flood holds all
@@ -50,14 +58,17 @@ def with_free_slot(
     max_outstanding: int,
     reserve: int,
     holders: Callable[[], Mapping[str, int]],
+    max_engine_waiting: int = 0,
 ) -> list[ReplicaState]:
     """Those of ``replicas`` that may take ``request`` now (see the module's doc);
     ``holders`` gives the prompt tokens each replica is predicted to hold, asked for a
-    tenant beyond its share, and for one within it whose request might go over the cap."""
+    tenant beyond its share, and for one within it whose request might go over the cap.
+    ``max_engine_waiting``: 0, engines' queues are not asked."""
     if not fair.within_share(request):
         cap = max_outstanding - min(reserve, max_outstanding - 1)
         free = [r for r in replicas if r.outstanding_requests < cap]
-        return _homes(free, holders()) or free
+        go_to = _homes(free, holders()) or free
+        return [r for r in go_to if engine_has_room(r, max_engine_waiting, reserve)]
     free = [r for r in replicas if r.outstanding_requests < max_outstanding]
     if fair.queue_key(request.tenant) is None:
         return free  # no tenants to keep apart
@@ -72,6 +83,23 @@ def with_free_slot(
         if held.get(r.replica_id) == most and r.outstanding_requests < 2 * max_outstanding
     ]
     return free + home
+
+
+def engine_has_room(replica: ReplicaState, max_waiting: int, reserve: int) -> bool:
+    """Whether the replica's engine has room for one more request of a tenant beyond
+    its share (``max_waiting`` 0: not asked): it would still run fewer than its
+    ``max_num_seqs`` less the ``reserve``, and fewer than ``max_waiting`` requests
+    would wait in its queue, those it says are waiting (for KV blocks or a step's
+    token budget) and those sent since it said so. A report's own handful of requests
+    that arrived within its last step is below the bound.
+    """
+    if not max_waiting:
+        return True
+    limit = replica.max_num_seqs
+    if limit is not None and replica.load_requests >= limit - min(reserve, limit - 1):
+        return False
+    waiting = replica.engine_waiting
+    return not waiting or waiting + replica.requests_since_report < max_waiting
 
 
 def _homes(replicas: Sequence[ReplicaState], held: Mapping[str, int]) -> list[ReplicaState]:

@@ -29,7 +29,7 @@ from replica.api.card import EngineCard
 from replica.api.config import ROLES
 from replica.api.engines import ENGINES
 from replica.api.kv_events import KVEvent, KVEventPage, decode_page
-from replica.api.stats import KVEventsEndpoint
+from replica.api.stats import KVEventsEndpoint, LoadReport
 from router.core import ReplicaState
 from router.fleet import load
 from router.fleet.backend_check import (
@@ -153,8 +153,8 @@ class Backend:
 
 class BackendPool:
     """Backends by URL. ``on_events`` receives each backend's new KV events and returns
-    how many stored blocks it could not key; ``check`` (if any) checks each joining
-    backend."""
+    how many stored blocks it could not key; ``on_report`` is told each new load
+    report, after it is counted; ``check`` (if any) checks each joining backend."""
 
     def __init__(
         self,
@@ -168,10 +168,12 @@ class BackendPool:
         failure_threshold: int = 2,
         check: BackendCheck | None = None,
         describe_interval_s: float = 10.0,
+        on_report: Callable[[ReplicaState], None] | None = None,
     ) -> None:
         self.client = client
         self.check = check
         self._on_events = on_events
+        self._on_report = on_report
         self._on_added = on_added
         self._on_removed = on_removed
         self._interval = poll_interval_s
@@ -308,6 +310,7 @@ class BackendPool:
         backend.draining = card.draining
         if card.num_blocks:
             state.capacity_blocks = card.num_blocks
+        state.max_num_seqs = card.max_num_seqs
         model = card.model or None
         if model != state.model and routed:  # another model: it moves to that model's policy
             self._on_removed(state)
@@ -387,7 +390,7 @@ class BackendPool:
                 backend,
                 endpoint,
                 on_events=lambda events: self._events(backend, events),
-                on_load=lambda report: load.reported(backend.state, report),
+                on_load=lambda report: self._reported(backend.state, report),
                 on_restart=lambda: self._engine_restarted(backend),
             )
             if endpoint.replay_endpoint:  # the policy may have it applied again
@@ -555,8 +558,13 @@ class BackendPool:
         blocks = backend.card.num_blocks if backend.card is not None else None
         report = vllm_load(text, blocks, prefilling, read_at, engine=backend.dp_rank)
         if report is not None:
-            load.reported(state, report)
+            self._reported(state, report)
         return True
+
+    def _reported(self, state: ReplicaState, report: LoadReport | None) -> None:
+        load.reported(state, report)
+        if self._on_report is not None:
+            self._on_report(state)
 
     async def _describe_again(self, backend: Backend) -> None:
         """Learn again what it serves (adapters are loaded and unloaded at run time)."""

@@ -72,6 +72,7 @@ def reported(replica: ReplicaState, report: LoadReport | None) -> None:
     """The replica's latest load (``None``: it stopped reporting; count our own)."""
     replica.report = report
     replica.free_blocks = report.free_blocks if report is not None else None
+    replica.engine_waiting = report.waiting if report is not None else None
     replica.loaded_adapters = report.adapters if report is not None else None
     replica.free_adapter_slots = report.free_adapter_slots if report is not None else None
     since = [r for r in replica.in_flight.values() if _since_report(r, replica)]

@@ -236,6 +236,8 @@ class Accounting:
             load_requests=state.load_requests,
             load_prefill_tokens=state.load_prefill_tokens,
             free_blocks=state.free_blocks,
+            engine_waiting=state.engine_waiting,
+            max_num_seqs=state.max_num_seqs,
             routing_mode=backend.routing_mode,
             approximate_reason=backend.approximate_reason,
             unchecked=list(backend.unchecked),

@@ -2,7 +2,8 @@
 for it.
 
 Which replicas have a slot is ``router/fair/slots.py``'s rule (the cap, the reserve
-for lighter tenants, a light tenant's home); when none has, the request waits in the
+for lighter tenants, engines' own queues for a tenant beyond its share, a light
+tenant's home); when none has, the request waits in the
 fair queue (``router/fair/admission.py``) for its turn, or is refused with 429. Out
 come the replicas it may be placed on.
 """
@@ -71,6 +72,7 @@ class Admitter:
             config.max_outstanding_per_replica,
             config.fair_reserve_per_replica,
             lambda: self.models.policy(request.model).holders(request),
+            config.max_engine_waiting,
         )
 
     def after_failure(self, request: RoutingRequest) -> list[ReplicaState]:

@@ -97,6 +97,30 @@ def test_the_reserve_keeps_a_slot_free_for_light_tenants():
         assert reserved["tenants"][tenant]["ttft_p99_s"] < shared["tenants"][tenant]["ttft_p99_s"]
 
 
+def test_a_flood_waits_at_the_router_not_in_the_engines_queue():
+    """Engines that run 8 requests at once, a cap (128) the flood never reaches: the
+    flood's backlog waited in the engines' first-come-first-served queues, where the
+    steady tenants' turns waited behind it. Bounded (4 waiting at most, the gateway's
+    default), it waits in the router's fair queue, which serves them first."""
+    fleet = replace(FLEET, max_outstanding=128, max_num_seqs=8)
+    bounded, unbounded = (
+        replay(chat_workload(TENANTS), replace(fleet, max_engine_waiting=w), "cache_aware")
+        for w in (4, 0)
+    )
+    assert max_in_flight(bounded) < fleet.max_outstanding
+    waited = [r.dispatched_s - r.arrival_s for r in bounded.records if r.tenant == "noisy"]
+    assert max(waited) > 10  # held at the router, below the cap
+    steady = lambda result: max(  # noqa: E731
+        replay_row(result)["tenants"][t]["ttft_p99_s"] for t in ("a", "b")
+    )
+    assert steady(bounded) < steady(unbounded) / 2
+    # the flood, not they, waited at the router; the fleet cached more
+    rows = replay_row(bounded), replay_row(unbounded)
+    waits = {t: v["queue_wait_p99_s"] for t, v in rows[0]["tenants"].items()}
+    assert max(waits["a"], waits["b"]) < waits["noisy"] / 10
+    assert rows[0]["token_hit_rate"] > rows[1]["token_hit_rate"]
+
+
 def test_without_a_cap_nothing_waits_and_tenants_are_reported():
     config = ReplayConfig(replicas=2, capacity_blocks=2048, host_blocks=0)
     row = replay_row(replay(chat_workload(TENANTS), config, "cache_aware"))

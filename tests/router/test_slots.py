@@ -1,5 +1,6 @@
 """Which replicas have a slot for a request: the cap, the reserve kept from a tenant
-beyond its share, and the overflow that keeps a light tenant on its cache."""
+beyond its share, the engines' own queues it may not lengthen, and the overflow that
+keeps a light tenant on its cache."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from deploy.processes import running
+from replica.api.stats import LoadReport
 from router.core import ReplicaState, RoutingRequest
 from router.fair.fairness import FairShare
 from router.fair.slots import with_free_slot
@@ -77,6 +79,41 @@ def test_a_tenant_beyond_its_share_stays_on_its_homes_while_one_has_a_slot():
         "replica-1",
         "replica-2",
     ]
+
+
+def engines(*loads: tuple[int, int, int]) -> list[ReplicaState]:
+    """Replicas whose engines said ``(running, waiting)`` and took ``sent`` since, each
+    running 8 sequences at most."""
+    replicas = fleet(len(loads))
+    for replica, (running_, waiting, sent) in zip(replicas, loads, strict=True):
+        replica.max_num_seqs = 8
+        load.reported(replica, LoadReport(running_, waiting, 0))
+        replica.requests_since_report = sent
+    return replicas
+
+
+def test_a_tenant_beyond_its_share_adds_nothing_to_an_engines_queue_past_the_bound():
+    """Far below the gateway's cap: replica-0's engine runs its 8 less the reserve,
+    replica-1's keeps 4 waiting (its KV cache full), replica-3's 3 and one sent since;
+    replica-2's has 3 waiting, one more may join them."""
+    replicas = engines((6, 0, 0), (1, 4, 0), (2, 3, 0), (1, 3, 1))
+    flood = RoutingRequest("f", 10, [], tenant="flood")
+    light = RoutingRequest("l", 10, [], tenant="light")
+
+    def open_to(request: RoutingRequest, held: Mapping[str, int], bound: int = 4) -> list[str]:
+        slots = with_free_slot(request, replicas, shares(), 128, RESERVE, lambda: held, bound)
+        return names(slots)
+
+    assert open_to(flood, {}) == ["replica-2"]
+    assert open_to(flood, {}, bound=0) == names(replicas)  # engines not asked: the cap alone
+    assert open_to(light, {}) == names(replicas)  # within its share: it may queue there
+    # its home's engine queues: it waits at the gateway rather than compute its prefix
+    # on a lighter tenant's replica
+    assert open_to(flood, {"replica-1": 64}) == []
+    assert open_to(flood, {"replica-1": 64, "replica-2": 64}) == ["replica-2"]
+    replicas[1].max_num_seqs = None  # not said (vLLM's card): its queue alone says
+    load.reported(replicas[1], LoadReport(5, 3, 0))
+    assert open_to(flood, {"replica-1": 64}) == ["replica-1"]
 
 
 def test_a_light_tenant_goes_over_the_cap_on_its_home_only_and_to_twice_the_cap_at_most():
@@ -170,3 +207,50 @@ async def light_turns(url: str) -> tuple[str, dict[str, int], str]:
             task.cancel()
         await asyncio.gather(*running_, return_exceptions=True)
     return home, held, second
+
+
+@pytest.mark.slow
+def test_through_the_gateway_a_flood_waits_at_the_gateway_not_in_the_engines(tmp_path):
+    """Two replicas whose engines run 2 requests at once, the gateway's cap (128) far
+    off: a flood's 8 long requests take one sequence on each engine, the reserve the
+    other, and the rest wait in the gateway's fair queue, which serves a light tenant's
+    request at once: it ends before any of the flood's. The flood's queue drains as the
+    engines report room (nothing else would wake it), every request answered."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("flood-key flood\nlight-key light\nops-key ops admin\n")
+    replica = ["replica", "--max-num-seqs", "2"]
+    with running(replica, replica) as replicas:
+        gateway = ["gateway", *[f"--backend={u}" for u in replicas], "--api-keys-file", str(keys)]
+        with running(gateway) as (url,):
+            ended, queued, engines = asyncio.run(flood_and_light(url))
+    assert queued == 6  # 8 less the two running
+    assert all(b.max_num_seqs == 2 and b.outstanding_requests == 1 for b in engines)
+    assert ended.index("light") == 0, ended
+    assert ended.count("flood") == 8
+
+
+async def flood_and_light(url: str) -> tuple[list[str], int, list]:
+    """Who ended in which order, the gateway's queue once the flood is in, and its
+    backends then."""
+    ended: list[str] = []
+
+    async def ask(client: httpx.AsyncClient, who: str, prompt: str, tokens: int) -> None:
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {who}-key"}
+        response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        response.raise_for_status()
+        ended.append(who)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        await ask(client, "light", "light: hello", 1)
+        for i in range(4):  # the flood's service passes the light tenant's
+            await ask(client, "flood", f"{i} flood: " + "a new question. " * 200, 1)
+        ended.clear()
+        flood = [
+            asyncio.create_task(ask(client, "flood", f"long {i}: " + "more words. " * 50, 200))
+            for i in range(8)
+        ]
+        stats = await gateway_reaches(client, url, lambda s: s.queued == 6, "ops-key")
+        await ask(client, "light", "light: a short question", 4)
+        await asyncio.gather(*flood)
+    return ended, stats.queued, stats.backends
