@@ -67,8 +67,11 @@ GUARD_MIDDLEWARE = f"{FleetTokenGuard.__module__}.{FleetTokenGuard.__name__}"
 #: worker), and a crash of the first leaves the others holding the ports and the memory.
 #: The guard runs the server, and when the server exits, or the guard is told to stop
 #: (SIGTERM, also sent by the kernel when its owner dies: Linux's parent-death signal),
-#: it lets vLLM shut down for a moment, then kills what is left of the group, itself
-#: included: no part of a server outlives it. The guard itself may be killed outright
+#: it lets vLLM shut down (for at most ``$PREFIX_ROUTER_STOP_S``, 10 s), then kills what
+#: is left of the group, itself included: no part of a server outlives it. (Its handler
+#: must not wait for the server itself: the interrupted ``wait`` holds the lock that
+#: reaps it, so a wait in the handler saw the server alive until its timeout, and every
+#: stop took the whole 10 s where vLLM needs about one.) The guard itself may be killed outright
 #: (Ray SIGKILLs an actor's children when the actor is killed): the server then gets
 #: its own parent-death signal, SIGTERM, and shuts down its engine core as vLLM does.
 GUARD = """\
@@ -80,15 +83,13 @@ if os.environ.get("PREFIX_ROUTER_CPUS"):  # the server's cores, inherited by its
     os.sched_setaffinity(0, {int(c) for c in os.environ["PREFIX_ROUTER_CPUS"].split(",")})
 told = lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # when the guard dies
 server = subprocess.Popen(sys.argv[2:], preexec_fn=told)
-def end(*_):
+def stop(*_):  # the wait below goes on: it returns once the server has shut down
     server.terminate()
-    try:
-        server.wait(timeout=float(os.environ.get("PREFIX_ROUTER_STOP_S", "10")))
-    finally:
-        os.killpg(0, signal.SIGKILL)
-signal.signal(signal.SIGTERM, end)
+    signal.setitimer(signal.ITIMER_REAL, float(os.environ.get("PREFIX_ROUTER_STOP_S", "10")))
+signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))  # it took too long
+signal.signal(signal.SIGTERM, stop)
 server.wait()
-end()
+os.killpg(0, signal.SIGKILL)
 """
 #: A server's work folder (its log, vLLM's temporary and cache files) in the temporary
 #: directory, and the file in it naming its guard's process.
