@@ -88,8 +88,9 @@ class SimReplica:
     async def load(self) -> FleetLoad:
         """Requests it runs or queues, and prompt tokens waiting for prefill."""
         await self.url()
-        replica = self._app.state.replica
-        return FleetLoad(replica.load, replica.engine.queued_prefill_tokens)
+        engines = self._app.state.ranks.all  # a data-parallel server's, summed
+        queued = sum(replica.engine.queued_prefill_tokens for replica in engines)
+        return FleetLoad(sum(replica.load for replica in engines), queued)
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

@@ -50,8 +50,12 @@ class KVPublisher:
         buffer_batches: int = 10_000,
         load_interval_s: float = 0.05,
         clock: Callable[[], float] = time.time,
+        rank: int | None = None,
     ) -> None:
+        """``rank``: the data-parallel engine whose events these are, marked on every
+        batch (``None``: the server's only engine)."""
         self._events, self._block_size, self._load = events, block_size, load
+        self._rank = rank
         self._host, self._topic = host, topic.encode()
         self._interval = load_interval_s
         self._clock = clock
@@ -120,7 +124,7 @@ class KVPublisher:
         if self._events.last_seq != self._published_seq:
             events, _ = self._events.since(self._published_seq)
             self._published_seq = self._events.last_seq
-            payload = encode_batch(events, self._clock(), self._block_size)
+            payload = encode_batch(events, self._clock(), self._block_size, self._rank)
             seq = self._next_batch
             with self._buffer_lock:
                 self._buffer.append((seq, payload))

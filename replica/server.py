@@ -4,15 +4,16 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed 
 SSE or not), ``POST /tokenize`` (vLLM's), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's metric names), ``GET /kv_events?since=SEQ``, ``POST /reset``,
 ``GET /stats``, and the ``/get_model_info``, ``/get_server_info`` and ``/get_load``
-probes of SGLang's router. Each handler translates HTTP into a call of the app's
-:class:`~replica.service.Replica` (``request.app.state.replica``). Given the fleet's
+probes of SGLang's router. Each handler translates HTTP into a call of one of the app's
+engines (:class:`~replica.service.Replica`: the one ``X-data-parallel-rank`` names, of
+a server of several, replica/data_parallel.py), or of every one. Given the fleet's
 token, every endpoint but ``/health`` answers only requests that carry it
 (replica/api/fleet_token.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -24,9 +25,11 @@ from pydantic import BaseModel, Field
 
 from replica.api import openai as api
 from replica.api import stats as stats_codec
+from replica.api.card import RANK_HEADER
 from replica.api.config import ReplicaConfig
 from replica.api.fleet_token import FleetTokenGuard
 from replica.api.kv_events import encode_page
+from replica.data_parallel import EngineRanks
 from replica.service import Replica
 
 routes = APIRouter()
@@ -41,16 +44,17 @@ def create_app(
     does the publisher of its KV events on ZMQ, bound to ``kv_events_host`` (``None``:
     no publisher; the events stay at ``GET /kv_events``). ``fleet_token``: what its
     callers (and it, calling its peers) must carry; empty: it answers anyone."""
-    replica = Replica(config or ReplicaConfig(), fleet_token)
+    ranks = EngineRanks(config or ReplicaConfig(), fleet_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await replica.start(kv_events_host)
+        await ranks.start(kv_events_host)
         yield
-        await replica.stop()
+        await ranks.stop()
 
     app = FastAPI(title="prefix-router replica", lifespan=lifespan)
-    app.state.replica = replica
+    app.state.ranks = ranks
+    app.state.replica = ranks[0]  # its first (or only) engine
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.add_exception_handler(api.Rejected, _rejected)  # type: ignore[arg-type]
     app.include_router(routes)
@@ -59,9 +63,14 @@ def create_app(
     return app
 
 
+def _ranks(request: Request) -> EngineRanks:
+    ranks: EngineRanks = request.app.state.ranks
+    return ranks
+
+
 def _replica(request: Request) -> Replica:
-    replica: Replica = request.app.state.replica
-    return replica
+    """The engine the request's ``X-data-parallel-rank`` names, rank 0 without it."""
+    return _ranks(request).named(request.headers.get(RANK_HEADER))
 
 
 async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -74,13 +83,13 @@ async def _rejected(request: Request, error: api.Rejected) -> JSONResponse:
 
 @routes.post("/v1/completions")
 async def completions(body: api.CompletionRequest, request: Request) -> Response:
-    replica = _replica(request)
+    replica = _ranks(request).chosen(request.headers.get(RANK_HEADER))
     return await replica.answer(body, body.prompts(replica.engine.tokenizer), str(request.base_url))
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: api.ChatCompletionRequest, request: Request) -> Response:
-    replica = _replica(request)
+    replica = _ranks(request).chosen(request.headers.get(RANK_HEADER))
     # pieces cached per salt, as the KV is: one tenant cannot time another's text
     scope = body.cache_salt
     prompt = body.prompt_ids(replica.engine.tokenizer, cache_scope=scope)
@@ -144,7 +153,7 @@ class LoraChange(BaseModel):
 
 @routes.post("/v1/load_lora_adapter")
 async def load_lora_adapter(change: LoraChange, request: Request) -> Response:
-    refused = _replica(request).load_adapter(change.lora_name)
+    refused = _every_engine(request, lambda replica: replica.load_adapter(change.lora_name))
     if refused is not None:
         return JSONResponse(api.error_body(refused, 400, "lora_name"), status_code=400)
     return PlainTextResponse(f"Success: LoRA adapter '{change.lora_name}' added successfully.")
@@ -152,16 +161,23 @@ async def load_lora_adapter(change: LoraChange, request: Request) -> Response:
 
 @routes.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(change: LoraChange, request: Request) -> Response:
-    refused = _replica(request).unload_adapter(change.lora_name)
+    refused = _every_engine(request, lambda replica: replica.unload_adapter(change.lora_name))
     if refused is not None:
         status = 404 if "cannot be found" in refused else 409
         return JSONResponse(api.error_body(refused, status, "lora_name"), status_code=status)
     return PlainTextResponse(f"Success: LoRA adapter '{change.lora_name}' removed successfully.")
 
 
+def _every_engine(request: Request, change: Callable[[Replica], str | None]) -> str | None:
+    """``change`` made on every engine; the first refusal, if one refused."""
+    refusals = [change(replica) for replica in _ranks(request).all]
+    return next((refused for refused in refusals if refused is not None), None)
+
+
 @routes.get("/health")
 async def health(request: Request) -> Response:
-    failure = _replica(request).loop.failure
+    failures = (replica.loop.failure for replica in _ranks(request).all)
+    failure = next((failure for failure in failures if failure is not None), None)
     if failure is None:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": f"the engine loop stopped: {failure}"}, status_code=503)
@@ -181,7 +197,7 @@ async def kv_events(request: Request, since: int = Query(0, ge=0)) -> Response:
 
 @routes.post("/reset")
 async def reset(request: Request) -> Response:
-    if not _replica(request).reset():
+    if not _ranks(request).reset():
         message = "requests are in flight; reset when the replica is idle"
         return JSONResponse(api.error_body(message, 409), status_code=409)
     return JSONResponse({"status": "reset"})
@@ -202,9 +218,10 @@ async def model_info(request: Request) -> dict[str, Any]:
 @routes.get("/get_server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     config = _replica(request).config
-    return {"model_path": config.model, "dp_size": 1, "tp_size": 1, **asdict(config)}
+    dp_size = config.data_parallel_size
+    return {"model_path": config.model, "dp_size": dp_size, "tp_size": 1, **asdict(config)}
 
 
 @routes.get("/get_load")
 async def load(request: Request) -> dict[str, int]:
-    return {"load": _replica(request).load}
+    return {"load": _ranks(request).load}

@@ -23,8 +23,15 @@ from replica.api.config import ReplicaConfig
 from replica.api.identity import block_hashes, identity_seed
 from replica.api.kv_events import KVEventPage
 from replica.api.model_tokenizer import HFTokenizer, load_tokenizer
-from replica.api.stats import CacheFigures, LoadReport, ReplicaStats, TransferFigures
+from replica.api.stats import (
+    CacheFigures,
+    KVEventsEndpoint,
+    LoadReport,
+    ReplicaStats,
+    TransferFigures,
+)
 from replica.api.token_cache import TokenCacheStats
+from replica.api.tokenizer import Tokenizer
 from replica.engine import Engine, EngineConfig, EngineDead, EngineRequest, RequestOutput
 from replica.engine_loop import EngineLoop
 from replica.kv_publisher import KVPublisher
@@ -38,9 +45,17 @@ PULL_MARGIN_S = 1.0
 class Replica:
     """An engine, the loop that steps it in real time, and the replica's counters."""
 
-    def __init__(self, config: ReplicaConfig, fleet_token: str = "") -> None:
-        self.config = config
-        tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        fleet_token: str = "",
+        rank: int | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """``rank``: which of a data-parallel server's engines this is (``None``: its
+        only one); ``tokenizer``: one its other engines share, else its own is loaded."""
+        self.config, self.rank = config, rank
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.chat_template)
         self.engine = Engine(EngineConfig.for_replica(config), tokenizer=tokenizer)
         self.loop = EngineLoop(self.engine, config.speedup)
         self.metrics = ReplicaMetrics(self.engine, config.model)
@@ -229,16 +244,20 @@ class Replica:
             )
         return requests
 
-    async def start(self, host: str | None = None) -> None:
-        """Start stepping the engine and, given the server's host, publishing its events."""
+    async def start(
+        self, host: str | None = None, at: KVEventsEndpoint | None = None
+    ) -> KVEventsEndpoint | None:
+        """Start stepping the engine and, given the server's host, publishing its events
+        (on free ports, or ``at``'s); where it publishes."""
         self.loop.start()
-        if host is not None:
-            engine = self.engine
-            self.publisher = KVPublisher(
-                engine.cache.events, self.config.block_size, self._load, host
-            )
-            self.publisher.start()
-            self.loop.on_step = self.publisher.flush
+        if host is None:
+            return None
+        engine = self.engine
+        self.publisher = KVPublisher(
+            engine.cache.events, self.config.block_size, self._load, host, rank=self.rank
+        )
+        self.loop.on_step = self.publisher.flush
+        return self.publisher.start(at)
 
     async def stop(self) -> None:
         await self.loop.stop()

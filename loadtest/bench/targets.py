@@ -109,9 +109,11 @@ class Fleet:
         if first is None or not all(configs):
             return self._engines_twin(profile) if profile else None
         routing = self.stats.config.routing if self.stats else ReplayConfig().routing
-        prefill, decode = _pd_split([c.role for c in configs if c])
+        # a replica of several data-parallel engines is that many replicas to the twin
+        engines = [c for c in configs if c for _ in range(c.data_parallel_size)]
+        prefill, decode = _pd_split([c.role for c in engines])
         return ReplayConfig(
-            replicas=len(configs),
+            replicas=len(engines),
             capacity_blocks=first.num_blocks,
             profile=first.profile,
             max_num_seqs=first.max_num_seqs,
@@ -121,7 +123,7 @@ class Fleet:
             host_link=first.host_link,
             routing=replace(routing, block_size=first.block_size),
             compute_scale=first.speedup,  # simulated time runs this much faster
-            fleet=_models_fleet([c.model for c in configs if c]),
+            fleet=_models_fleet([c.model for c in engines]),
             max_loras=first.max_loras,
             prefill=prefill,
             decode=decode,

@@ -17,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from replica.api.stats import KVEventsEndpoint, ReplicaStats
 
+#: vLLM's header that pins a request to one of a server's data-parallel engines.
+RANK_HEADER = "x-data-parallel-rank"
+
 
 @dataclass(frozen=True)
 class EngineCard:
@@ -71,6 +74,7 @@ def sim_card(url: str, stats: ReplicaStats) -> EngineCard:
         role=config.role,
         max_model_len=stats.cache.num_blocks * config.block_size,
         max_num_seqs=config.max_num_seqs,
+        data_parallel_size=config.data_parallel_size,
     )
 
 

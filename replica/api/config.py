@@ -49,6 +49,11 @@ class ReplicaConfig:
     #: many one batch may use at once (vLLM's ``--lora-modules``, ``--max-loras``).
     lora_modules: str = ""
     max_loras: int = 1
+    #: Engines behind its one server, each with a KV cache, a load and KV-event sockets
+    #: of its own (vLLM's ``--data-parallel-size``): a request names one with the
+    #: ``X-data-parallel-rank`` header, else goes to the least loaded; rank R publishes
+    #: where rank 0 does, each port plus R, its batches marked with its rank.
+    data_parallel_size: int = 1
     #: What it does for a disaggregated fleet: ``both`` (prefill and decode, as every
     #: replica did before), ``prefill`` or ``decode``; the gateway reads it from /stats.
     role: str = "both"
@@ -70,7 +75,8 @@ class ReplicaConfig:
             raise ValueError(f"kv_hold_s must not be negative, got {self.kv_hold_s}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in (*positive, "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")

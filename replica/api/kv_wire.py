@@ -75,9 +75,13 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder()
 
 
-def encode_batch(events: list[KVEvent], ts: float, block_size: int) -> bytes:
-    """A ``KVEventBatch`` of our events, as the newest vLLM encodes one."""
-    return _ENCODER.encode(EventBatch(ts, [_vllm_event(e, block_size) for e in events]))
+def encode_batch(
+    events: list[KVEvent], ts: float, block_size: int, rank: int | None = None
+) -> bytes:
+    """A ``KVEventBatch`` of our events, as the newest vLLM encodes one (``rank``: the
+    data-parallel engine's, where the server runs several)."""
+    batch = EventBatch(ts, [_vllm_event(e, block_size) for e in events], rank)
+    return _ENCODER.encode(batch)
 
 
 def _vllm_event(event: KVEvent, block_size: int) -> KVCacheEvent:

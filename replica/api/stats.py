@@ -9,7 +9,7 @@ missing or of the wrong type.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import TypeAdapter
@@ -74,6 +74,28 @@ class KVEventsEndpoint:
     topic: str
     #: PUB: the load on topic ``load`` at least every 50 ms, the stream's heartbeat.
     load_endpoint: str = ""
+
+    def of_rank(self, rank: int) -> KVEventsEndpoint:
+        """Where data-parallel rank ``rank`` of the same server publishes, this being
+        rank 0's: each TCP port plus ``rank``, as vLLM's ``offset_endpoint_port`` has it
+        (an ``ipc``/``inproc`` path suffixed ``_dpR``; none, or a port of 0, left as it is)."""
+        if rank == 0:
+            return self
+        return replace(
+            self,
+            endpoint=_offset(self.endpoint, rank),
+            replay_endpoint=_offset(self.replay_endpoint, rank),
+            load_endpoint=_offset(self.load_endpoint, rank),
+        )
+
+
+def _offset(address: str, rank: int) -> str:
+    if not address:
+        return address
+    if not address.startswith("tcp://"):
+        return f"{address}_dp{rank}"
+    host, _, port = address.rpartition(":")
+    return address if port in ("", "0") else f"{host}:{int(port) + rank}"
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,10 @@ What says which rank is which, as vLLM has it:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+from replica.api.card import RANK_HEADER
 from replica.api.stats import KVEventsEndpoint
 
-#: vLLM's header that pins a request to one of a server's data-parallel engines.
-RANK_HEADER = "x-data-parallel-rank"
+__all__ = ["RANK_HEADER", "rank_endpoint", "rank_header", "rank_name"]
 
 
 def rank_name(name: str, rank: int) -> str:
@@ -32,25 +30,7 @@ def rank_name(name: str, rank: int) -> str:
 
 def rank_endpoint(endpoint: KVEventsEndpoint, rank: int) -> KVEventsEndpoint:
     """Where rank ``rank`` publishes, given where rank 0 does (vLLM's rule)."""
-    if rank == 0:
-        return endpoint
-    return replace(
-        endpoint,
-        endpoint=_offset(endpoint.endpoint, rank),
-        replay_endpoint=_offset(endpoint.replay_endpoint, rank),
-        load_endpoint=_offset(endpoint.load_endpoint, rank),
-    )
-
-
-def _offset(address: str, rank: int) -> str:
-    """A ZMQ address's port plus ``rank`` (an ``ipc``/``inproc`` path suffixed
-    ``_dpR``; none, or a port of 0, left as it is)."""
-    if not address:
-        return address
-    if not address.startswith("tcp://"):
-        return f"{address}_dp{rank}"
-    host, _, port = address.rpartition(":")
-    return address if port in ("", "0") else f"{host}:{int(port) + rank}"
+    return endpoint.of_rank(rank)
 
 
 def rank_header(rank: int | None) -> bytes:

@@ -1,9 +1,17 @@
 """A data-parallel server's ranks as the gateway names and follows them
-(router/fleet/data_parallel.py), and as its card counts them."""
+(router/fleet/data_parallel.py), and as its card counts them; our simulated replica's
+``--data-parallel-size`` behind a real gateway (vLLM's own: test_vllm_data_parallel.py)."""
 
-from replica.api.card import vllm_card
-from replica.api.stats import KVEventsEndpoint
+import httpx
+import numpy as np
+import pytest
+
+from deploy.processes import running
+from replica.api import stats as stats_codec
+from replica.api.card import RANK_HEADER, vllm_card
+from replica.api.stats import KVEventsEndpoint, ReplicaStats
 from router.fleet.data_parallel import rank_endpoint, rank_header, rank_name
+from tests.shared import wait_until_checked
 
 CACHE_INFO = 'vllm:cache_config_info{block_size="32",engine="%d",num_gpu_blocks="244"} 1.0\n'
 
@@ -29,3 +37,50 @@ def test_a_vllm_servers_card_counts_the_engines_its_metrics_label():
     one = vllm_card("http://h:8000", CACHE_INFO % 0, models)
     assert two is not None and two.data_parallel_size == 2 and two.num_blocks == 244
     assert one is not None and one.data_parallel_size == 1
+
+
+def rank_stats(url: str, rank: int) -> ReplicaStats:
+    answer = httpx.get(f"{url}/stats", headers={RANK_HEADER: str(rank)})
+    return stats_codec.decode(ReplicaStats, answer.content)
+
+
+def words(seed: int, count: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(f"w{n}" for n in rng.integers(0, 10_000, count))
+
+
+@pytest.mark.slow
+def test_our_replica_of_two_engines_is_routed_as_a_replica_per_rank():
+    """Two engines behind one simulated replica, as vLLM runs them: the gateway reads
+    two ranks off its card, follows each on its own sockets (rank 0's ports plus 1),
+    checks each with a canary pinned to it, and sends each prompt to the engine that
+    holds it, predicting what that engine finds."""
+    with running(["replica", "--data-parallel-size", "2"]) as (replica,):
+        zero, one = rank_stats(replica, 0), rank_stats(replica, 1)
+        assert zero.kv_events is not None and one.kv_events == zero.kv_events.of_rank(1)
+        bad = httpx.post(
+            f"{replica}/v1/completions", json={"prompt": "hi"}, headers={RANK_HEADER: "2"}
+        )
+        assert bad.status_code == 400 and "its ranks are 0 to 1" in bad.text
+        with running(["gateway", f"--backend={replica}"]) as (gateway,):
+            stats = wait_until_checked(gateway, 2)
+            ranks = [(b.replica_id, b.data_parallel_rank, b.routing_mode) for b in stats.backends]
+            assert ranks == [(f"{replica}#dp{r}", r, "precise") for r in (0, 1)]
+            prompts = {rank: words(seed=rank, count=600) for rank in (0, 1)}
+            for rank, prompt in prompts.items():  # each held by one engine alone
+                body = {"prompt": prompt, "max_tokens": 1}
+                warmed = httpx.post(
+                    f"{replica}/v1/completions", json=body, headers={RANK_HEADER: str(rank)}
+                )
+                assert warmed.status_code == 200
+            for rank, prompt in prompts.items():
+                body = {"prompt": prompt + " and a question", "max_tokens": 1}
+                answer = httpx.post(f"{gateway}/v1/completions", json=body, timeout=30)
+                assert answer.headers["x-prefix-router-replica"] == f"{replica}#dp{rank}"
+                cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                predicted = int(answer.headers["x-prefix-router-predicted-cached-tokens"])
+                assert cached >= 500 and cached - 64 < predicted <= cached, (cached, predicted)
+        # each engine answered its own: the warm-up, the canary, the routed request
+        assert all(rank_stats(replica, r).requests >= 3 for r in (0, 1))
+        assert httpx.post(f"{replica}/reset").status_code == 200  # every engine emptied
+        assert [rank_stats(replica, r).cache.cached_blocks for r in (0, 1)] == [0, 0]
