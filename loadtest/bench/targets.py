@@ -41,7 +41,8 @@ def embedded(
 
     def ready(answer: httpx.Response) -> bool:
         backends = answer.json()["backends"] if answer.status_code == 200 else []
-        return len(backends) == replicas and all(b["routing_mode"] != "checking" for b in backends)
+        servers = {b.get("server") or b["replica_id"] for b in backends}  # a server's ranks: one
+        return len(servers) == replicas and all(b["routing_mode"] != "checking" for b in backends)
 
     try:
         for url in urls:
