@@ -36,6 +36,7 @@ from router.config import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
 from router.core import ReplicaState
 from router.fair.admission import AdmissionQueue, Overloaded
 from router.fair.fairness import FairShare
+from router.fair.slots import engine_has_room
 from router.fair.tenants import ApiKeys, SaltBook
 from router.fleet.backend_check import BackendCheck
 from router.fleet.backends import BackendPool
@@ -224,8 +225,11 @@ class Gateway:
         self.queue.slot_freed()  # requests for its model may be waiting for it
 
     def _reported(self, state: ReplicaState) -> None:
-        if len(self.queue):  # its engine's queue may have shrunk below the bound
-            self.queue.slot_freed()
+        """A load report: where it gives a tenant beyond its share room again (its
+        engine's queue shrank below the bound), a waiting request may now take it."""
+        bound, reserve = self.config.max_engine_waiting, self.config.fair_reserve_per_replica
+        if bound and len(self.queue) and engine_has_room(state, bound, reserve):
+            self.queue.slot_freed()  # (without the bound, only a request's end frees a slot)
 
     def tenant_footprint(self) -> dict[str, dict[str, int]]:
         """Each tenant's blocks on each replica's GPU (by replica id), as the precise

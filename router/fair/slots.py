@@ -24,6 +24,9 @@ With tenants, who may take a slot depends on their share (router/fair/fairness.p
   instead, the backlog is ordered by the fair queue, and the light tenant goes first
   (docs/results.md, "engines that queue"). A tenant within its share may still queue
   there, on its prompt's replica: it waits behind at most that many of the flood's.
+  Homes whose engines have no room do not make the flood spread (only homes full at
+  the cap do): it waits for them, rather than compute its prefix on a lighter
+  tenant's replica (spreading there made 6 of 8 replayed seeds worse).
 - A tenant **within its share** fills any replica up to the cap, and the replicas
   predicted to hold the most of its prompt up to twice the cap. Without that
   overflow, a light tenant's next turn finds its replica full (the flood holds all

@@ -3,9 +3,9 @@ for it.
 
 Which replicas have a slot is ``router/fair/slots.py``'s rule (the cap, the reserve
 for lighter tenants, engines' own queues for a tenant beyond its share, a light
-tenant's home); when none has, the request waits in the
-fair queue (``router/fair/admission.py``) for its turn, or is refused with 429. Out
-come the replicas it may be placed on.
+tenant's home); when none has, the request waits in the fair queue
+(``router/fair/admission.py``) for its turn, or is refused with 429. Out come the
+replicas it may be placed on.
 """
 
 from __future__ import annotations
