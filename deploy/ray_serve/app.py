@@ -35,6 +35,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deploy.ray_serve import registry
+from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS, gathered
 from deploy.ray_serve.calls import CompletionCall
 from deploy.ray_serve.config import ENGINE, INGRESS, ROUTERS, ServeApp
 from deploy.replicas import SimReplica
@@ -55,10 +56,15 @@ class EngineReplica:
     """One replica of the engine deployment: our simulated engine's HTTP server in the
     Serve replica's process, to which it relays each completion."""
 
-    def __init__(self, engine: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: dict[str, Any] | None = None,
+        stream_batching_interval_ms: float = DEFAULT_INTERVAL_MS,
+    ) -> None:
         self.token = fleet_token()
         self.server = SimReplica(ReplicaConfig(**(engine or {})), fleet_token=self.token)
         self._session: aiohttp.ClientSession | None = None
+        self._interval_s = stream_batching_interval_ms / 1000
 
     async def record_replica_metadata(self) -> dict[str, str]:
         """Said once, when the replica is ready: where its server answers (the request
@@ -79,12 +85,13 @@ class EngineReplica:
 
     async def complete(self, call: CompletionCall) -> AsyncIterator[Any]:
         """The server's answer to ``call``: its status and content type first, then its
-        body as it streams."""
+        body as it streams, its tokens after the first gathered per interval
+        (deploy/ray_serve/batching.py)."""
         url = await self.server.url()
         headers = {**call.headers, **bearer(self.token)}
         async with self.session.post(url + call.path, data=call.raw, headers=headers) as answer:
             yield answer.status, answer.content_type
-            async for chunk in answer.content.iter_any():
+            async for chunk in gathered(answer.content, self._interval_s):
                 yield chunk
 
     @property
@@ -202,4 +209,4 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=4 * MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
     )(OpenAIIngress)
-    return ingress.bind(engine.bind(app.engine))
+    return ingress.bind(engine.bind(app.engine, app.stream_batching_interval_ms))

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS
+
 APP_NAME = "prefix-router"
 IMPORT_PATH = "deploy.ray_serve.app:build_app"
 ENGINE = "PrefixEngine"
@@ -45,12 +47,18 @@ class ServeApp:
     autoscaling: dict[str, Any] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
+    #: How long an engine replica gathers an answer's tokens after the first before
+    #: passing them on as one item (0: each as it comes): Ray Serve LLM's
+    #: ``stream_batching_interval_ms``, whose default it takes (deploy/ray_serve/batching.py).
+    stream_batching_interval_ms: float = DEFAULT_INTERVAL_MS
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.stream_batching_interval_ms < 0:
+            raise ValueError("stream_batching_interval_ms must not be negative")
         most = self.autoscaling.get("max_replicas", self.replicas)
         if most < self.autoscaling.get("min_replicas", self.replicas):
             raise ValueError(f"max_replicas ({most}) is below the least replicas")
@@ -63,6 +71,7 @@ class ServeApp:
             "engine": dict(self.engine),
             "replicas": self.replicas,
             "autoscaling": dict(self.autoscaling),
+            "stream_batching_interval_ms": self.stream_batching_interval_ms,
         }
 
     def autoscaling_config(self) -> dict[str, Any] | None:

@@ -1,0 +1,73 @@
+"""An answer's stream gathered for its trip through Ray Serve (deploy/ray_serve/batching.py),
+read from a real HTTP server that streams as an OpenAI-compatible one does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from deploy.processes import free_port
+from deploy.ray_serve.batching import gathered
+
+ROLE = 'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+
+
+def token(text: str) -> str:
+    return "data: " + json.dumps({"choices": [{"delta": {"content": text}}]}) + "\n\n"
+
+
+async def relay(events: list[tuple[float, str]], interval_s: float) -> list[bytes]:
+    """The items ``gathered`` makes of a server's stream of ``events`` (each sent that
+    many seconds after the one before)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for pause, event in events:
+            await asyncio.sleep(pause)
+            await response.write(event.encode())
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            async with session.post(url, json={}) as response:
+                return [item async for item in gathered(response.content, interval_s)]
+    finally:
+        await runner.cleanup()
+
+
+def test_tokens_after_the_first_are_gathered_and_nothing_is_lost_or_reordered():
+    tokens = [token(f"t{i}") for i in range(20)]
+    events = [(0.0, ROLE), (0.2, tokens[0])] + [(0.01, t) for t in tokens[1:]]
+    events.append((0.01, "data: [DONE]\n\n"))
+    items = asyncio.run(relay(events, interval_s=0.1))
+    assert b"".join(items).decode() == "".join(event for _, event in events)
+    # the role announcement and the first token each went on their own, as they came
+    assert items[0].decode() == ROLE
+    assert items[1].decode() == tokens[0]
+    # the 19 tokens after it (10 ms apart, 190 ms in all) in a few items, not 19
+    assert len(items) - 2 <= 5
+
+
+def test_an_interval_of_zero_passes_every_chunk_as_it_comes():
+    events = [(0.0, ROLE)] + [(0.02, token(f"t{i}")) for i in range(5)]
+    items = asyncio.run(relay(events, interval_s=0.0))
+    assert [item.decode() for item in items] == [event for _, event in events]
+
+
+def test_a_token_after_a_long_pause_is_not_held_back_for_company():
+    # after a gathering interval with nothing in it, the next token goes as it comes
+    events = [(0.0, token("a")), (0.3, token("b")), (0.3, token("c"))]
+    items = asyncio.run(relay(events, interval_s=0.05))
+    assert [item.decode() for item in items] == [event for _, event in events]
