@@ -13,7 +13,6 @@ so its last token does not wait out the interval either.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -40,10 +39,8 @@ async def gathered(content: aiohttp.StreamReader, interval_s: float) -> AsyncIte
             if interval_s > 0:
                 await asyncio.wait({ended}, timeout=interval_s)
             chunk = content.read_nowait() or await content.readany()
-    finally:
+    finally:  # the answer ended, or its reader left: nothing more to wait for
         ended.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ended
 
 
 def _before_first_token(chunk: bytes) -> bool:

@@ -71,3 +71,35 @@ def test_a_token_after_a_long_pause_is_not_held_back_for_company():
     events = [(0.0, token("a")), (0.3, token("b")), (0.3, token("c"))]
     items = asyncio.run(relay(events, interval_s=0.05))
     assert [item.decode() for item in items] == [event for _, event in events]
+
+
+def test_a_reader_that_leaves_mid_answer_leaves_nothing_waiting():
+    async def main() -> list[asyncio.Task]:
+        async def answer(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(100):
+                await response.write(token(f"t{i}").encode())
+                await asyncio.sleep(0.01)
+            return response
+
+        app = web.Application()
+        app.router.add_post("/", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}/", json={}) as response:
+                    items = gathered(response.content, 0.05)
+                    assert (await anext(items)).decode() == token("t0")
+                    await anext(items)
+                    await items.aclose()  # Serve closes it when the client goes
+                    await asyncio.sleep(0)  # (a cancelled task ends at its next turn)
+                    # the answer still streams, and nothing of ours waits for its end
+                    return [t for t in asyncio.all_tasks() if "wait_eof" in repr(t)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == []
