@@ -90,15 +90,17 @@ def test_a_reader_that_leaves_mid_answer_leaves_nothing_waiting():
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{port}/", json={}) as response:
-                    items = gathered(response.content, 0.05)
-                    assert (await anext(items)).decode() == token("t0")
-                    await anext(items)
-                    await items.aclose()  # Serve closes it when the client goes
-                    await asyncio.sleep(0)  # (a cancelled task ends at its next turn)
-                    # the answer still streams, and nothing of ours waits for its end
-                    return [t for t in asyncio.all_tasks() if "wait_eof" in repr(t)]
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{port}/", json={}) as response,
+            ):
+                items = gathered(response.content, 0.05)
+                assert (await anext(items)).decode() == token("t0")
+                await anext(items)
+                await items.aclose()  # Serve closes it when the client goes
+                await asyncio.sleep(0)  # (a cancelled task ends at its next turn)
+                # the answer still streams, and nothing of ours waits for its end
+                return [t for t in asyncio.all_tasks() if "wait_eof" in repr(t)]
         finally:
             await runner.cleanup()
 
