@@ -7,10 +7,13 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from deploy.processes import free_port
 from deploy.ray_serve.batching import gathered
+
+pytestmark = pytest.mark.slow  # a real HTTP server
 
 ROLE = 'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
 
