@@ -10,12 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import psutil
+from aiohttp import web
 
 from deploy import processes
 from deploy.processes import free_port
@@ -53,6 +54,25 @@ class Colliding:
 
     def hold(self, data: bytes) -> None:
         self.count += len(data) // 4
+
+
+@contextlib.asynccontextmanager
+async def http_server(
+    path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> AsyncIterator[str]:
+    """A real HTTP server on loopback that answers POSTs to ``path`` with ``handler``
+    (a server that misbehaves as the test needs): its URL, stopped however the block
+    ends."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 def prompt(length: int, start: int = 1) -> np.ndarray:

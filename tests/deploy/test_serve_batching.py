@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from deploy.processes import free_port
 from deploy.ray_serve.batching import gathered
+from tests.shared import http_server
 
 pytestmark = pytest.mark.slow  # a real HTTP server
 
@@ -22,9 +23,10 @@ def token(text: str) -> str:
     return "data: " + json.dumps({"choices": [{"delta": {"content": text}}]}) + "\n\n"
 
 
-async def relay(events: list[tuple[float, str]], interval_s: float) -> list[bytes]:
-    """The items ``gathered`` makes of a server's stream of ``events`` (each sent that
-    many seconds after the one before)."""
+def streaming(
+    events: list[tuple[float, str]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler that streams ``events``, each that many seconds after the one before."""
 
     async def answer(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -35,19 +37,17 @@ async def relay(events: list[tuple[float, str]], interval_s: float) -> list[byte
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            async with session.post(url, json={}) as response:
-                return [item async for item in gathered(response.content, interval_s)]
-    finally:
-        await runner.cleanup()
+    return answer
+
+
+async def relay(events: list[tuple[float, str]], interval_s: float) -> list[bytes]:
+    """The items ``gathered`` makes of a server's stream of ``events``."""
+    async with (
+        http_server("/", streaming(events)) as url,
+        aiohttp.ClientSession() as session,
+        session.post(url + "/", json={}) as response,
+    ):
+        return [item async for item in gathered(response.content, interval_s)]
 
 
 def test_tokens_after_the_first_are_gathered_and_nothing_is_lost_or_reordered():
@@ -78,33 +78,18 @@ def test_a_token_after_a_long_pause_is_not_held_back_for_company():
 
 def test_a_reader_that_leaves_mid_answer_leaves_nothing_waiting():
     async def main() -> list[asyncio.Task]:
-        async def answer(request: web.Request) -> web.StreamResponse:
-            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-            await response.prepare(request)
-            for i in range(100):
-                await response.write(token(f"t{i}").encode())
-                await asyncio.sleep(0.01)
-            return response
-
-        app = web.Application()
-        app.router.add_post("/", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(f"http://127.0.0.1:{port}/", json={}) as response,
-            ):
-                items = gathered(response.content, 0.05)
-                assert (await anext(items)).decode() == token("t0")
-                await anext(items)
-                await items.aclose()  # Serve closes it when the client goes
-                await asyncio.sleep(0)  # (a cancelled task ends at its next turn)
-                # the answer still streams, and nothing of ours waits for its end
-                return [t for t in asyncio.all_tasks() if "wait_eof" in repr(t)]
-        finally:
-            await runner.cleanup()
+        long_answer = streaming([(0.01, token(f"t{i}")) for i in range(100)])
+        async with (
+            http_server("/", long_answer) as url,
+            aiohttp.ClientSession() as session,
+            session.post(url + "/", json={}) as response,
+        ):
+            items = gathered(response.content, 0.05)
+            assert (await anext(items)).decode() == token("t0")
+            await anext(items)
+            await items.aclose()  # Serve closes it when the client goes
+            await asyncio.sleep(0)  # (a cancelled task ends at its next turn)
+            # the answer still streams, and nothing of ours waits for its end
+            return [t for t in asyncio.all_tasks() if "wait_eof" in repr(t)]
 
     assert asyncio.run(main()) == []

@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deploy.processes import free_port, running
+from deploy.processes import running
 from loadtest.calibrate import Server
 from prefix_router.cli import main
 from replica.api.cost_model import PROFILES, StepCosts, get_profile
 from replica.api.fleet_token import ENV_FLEET_TOKEN
-from tests.shared import prefix_router
+from tests.shared import http_server, prefix_router
 
 pytestmark = pytest.mark.slow
 
@@ -107,20 +107,14 @@ def test_a_server_that_does_not_report_its_cached_tokens_is_named():
         return answer
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", complete)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with aiohttp.ClientSession() as session:
-                server = Server(session, f"http://127.0.0.1:{port}", "m", seed=0)
-                alone = await server.prefill(64, 0.0, 2048)
-                assert alone.cached == 0 and alone.ttft_s > 0
-                with pytest.raises(ValueError, match="enable-prompt-tokens-details"):
-                    await server.prefill(64, 0.5, 2048)
-        finally:
-            await runner.cleanup()
+        async with (
+            http_server("/v1/completions", complete) as url,
+            aiohttp.ClientSession() as session,
+        ):
+            server = Server(session, url, "m", seed=0)
+            alone = await server.prefill(64, 0.0, 2048)
+            assert alone.cached == 0 and alone.ttft_s > 0
+            with pytest.raises(ValueError, match="enable-prompt-tokens-details"):
+                await server.prefill(64, 0.5, 2048)
 
     asyncio.run(main())
