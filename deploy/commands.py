@@ -88,6 +88,7 @@ ADDRESS_HELP = (
 
 
 def add_serve_config_parser(commands: Any) -> None:
+    from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS
     from deploy.ray_serve.config import ROUTERS  # no Ray Serve: only the names
 
     parser = commands.add_parser(
@@ -113,10 +114,10 @@ def add_serve_config_parser(commands: Any) -> None:
     parser.add_argument(
         "--stream-batching-interval-ms",
         type=float,
-        default=50.0,
+        default=DEFAULT_INTERVAL_MS,
         help="gather a streamed answer's tokens after the first for this long before "
         "passing them through Serve as one item, as Ray Serve LLM does (0: each token "
-        "apart; default: 50)",
+        f"apart; default: {DEFAULT_INTERVAL_MS:g})",
     )
     parser.add_argument("-o", "--output", default="-", help="the file to write (default: stdout)")
     parser.add_argument(
