@@ -9,7 +9,6 @@ starts Ray is imported only by the commands that need it, so ``replay`` starts f
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
@@ -25,7 +24,13 @@ from deploy.flags import (
 )
 from deploy.fleet import FLEET_HELP, PD_HELP, fleet_engines, parse_entry, scaling_text
 from deploy.replicas import EngineSpec
-from deploy.serving import PortBusyError, listening_socket, serve_http, serve_workers
+from deploy.serving import (
+    PortBusyError,
+    collect_garbage_rarely,
+    listening_socket,
+    serve_http,
+    serve_workers,
+)
 from replica.api.config import ReplicaConfig
 from replica.api.engines import ENGINES
 from replica.api.fleet_token import ENV_FLEET_TOKEN, fleet_token
@@ -411,21 +416,6 @@ def gateway_worker(
             raise
         print(f"error: {error}", file=sys.stderr)  # a worker's: said as the command says it
         sys.exit(2)
-
-
-#: Allocations between two collections of the youngest generation (CPython's: 700).
-YOUNG_COLLECTION_ALLOCATIONS = 20_000
-
-
-def collect_garbage_rarely() -> None:
-    """Fewer garbage collections on the request path, as high-throughput Python servers
-    tune theirs: what start-up made lives as long as the process, so it is moved out of
-    the collector's sight (``gc.freeze``), and the youngest generation is collected
-    every 20,000 allocations instead of 700, since a request's objects die with it and
-    seldom in cycles. Measured in front of 4 fast replicas (64 connections, 5 rounds
-    interleaved): 256 against 265 us of the gateway's CPU a request."""
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, *gc.get_threshold()[1:])
 
 
 def add_replica_parser(commands: Any) -> None:

@@ -28,7 +28,7 @@ from deploy.gateways import fleet_credentials, keep_token, start_gateways
 from deploy.names import NAMESPACE, REPLICA_PREFIX
 from deploy.replicas import EngineSpec, ready_cards, stop_replicas
 from deploy.scaler import start_scaler
-from deploy.serving import listening_socket, serve_http
+from deploy.serving import collect_garbage_rarely, listening_socket, serve_http
 from replica.api.card import EngineCard
 from replica.api.fleet_token import ENV_FLEET_TOKEN
 from router.config import GatewayConfig
@@ -100,6 +100,7 @@ def serve(
                 secret=credentials.secret,
                 fleet_token=credentials.token,
             )
+            collect_garbage_rarely()
             serve_http(app, host, port, sock=sock)  # uvicorn's handlers, then it re-raises
             return
         ports = [port + i if separate_ports else port for i in range(gateways)]

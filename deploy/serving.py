@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import multiprocessing
 import signal
 import socket
@@ -114,6 +115,22 @@ def uvicorn_config(app: Any, **options: Any) -> Any:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **options,
     )
+
+
+#: Allocations between two collections of the youngest generation (CPython's: 700).
+YOUNG_COLLECTION_ALLOCATIONS = 20_000
+
+
+def collect_garbage_rarely() -> None:
+    """Fewer garbage collections on the request path, as high-throughput Python servers
+    tune theirs: what start-up made lives as long as the process, so it is moved out of
+    the collector's sight (``gc.freeze``), and the youngest generation is collected
+    every 20,000 allocations instead of 700, since a request's objects die with it and
+    seldom in cycles. Measured in front of 4 fast replicas (64 connections, 5 rounds
+    interleaved): 256 against 265 us of the gateway's CPU a request. For a gateway's
+    process (``gateway``, and ``serve``'s own), just before it serves."""
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, *gc.get_threshold()[1:])
 
 
 def serve_http(
