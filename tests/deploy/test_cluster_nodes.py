@@ -142,11 +142,18 @@ def test_up_spreads_over_three_nodes_and_a_node_lost_mid_load_fails_only_its_req
             what=f"load on the three nodes (failed: {failed[:5]}, {up.stdout[-500:]})",
         )
         lost_url = ray.get(ray.get_actor(lost_name).card.remote(), timeout=30).url
-        in_flight = sum(b.outstanding_requests for b in gateways_figures() if b.url == lost_url)
+        on_lost = [b for b in gateways_figures() if b.url == lost_url]
+        in_flight = sum(b.outstanding_requests for b in on_lost)
+        sent_before = sum(b.dispatched for b in on_lost)
         stop_node(lost_node)
         before = len(answered)
         # the gateway keeps serving on the two nodes left...
         wait_for(lambda: len(answered) >= before + 60, timeout_s=60, what="serving after")
+        # the requests on the lost node: those in flight when it was sampled, and those
+        # sent to it since (between the sample and the loss, or before the gateways saw
+        # it gone), as far as the gateways still show it
+        sent_after = sum(b.dispatched for b in gateways_figures() if b.url == lost_url)
+        in_flight += max(0, sent_after - sent_before)
         # ...and Ray places the lost node's replica again, on a node that has room
         wait_for(
             lambda: lost_name in (nodes := replica_nodes()) and nodes[lost_name] != lost_node,
