@@ -184,12 +184,12 @@ def serve_workers(worker: Callable[..., None], args: tuple[Any, ...], workers: i
 
 
 async def serve_in_loop(
-    app: Any, host: str, port: int, sock: socket.socket | None = None
+    app: Any, host: str, port: int, sock: socket.socket | None = None, **options: Any
 ) -> tuple[Server, asyncio.Task[None]]:
     """Serve an ASGI app as a task of the running event loop (a Ray actor's): return
     once it listens, or raise what stopped it before. Stop it with ``server.stop()``,
-    then await the task."""
-    server = Server(uvicorn_config(app, host=host, port=port))
+    then await the task. ``options``: uvicorn's, over ours."""
+    server = Server(uvicorn_config(app, host=host, port=port, **options))
     sockets = None if sock is None else [sock]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=sockets))
     while not server.started:

@@ -27,14 +27,14 @@ from typing import Any, cast
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.experimental import internal_kv
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from deploy.ray_serve import registry
+from deploy.ray_serve import views
 from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS, gathered
 from deploy.ray_serve.calls import CompletionCall
 from deploy.ray_serve.config import ENGINE, INGRESS, ROUTERS, ServeApp
@@ -113,7 +113,7 @@ class OpenAIIngress:
 
     Serve ships this class by value (``serve.ingress`` makes it anew), and with it
     copies of the module's globals it names: what it shares with this process it
-    reaches through a module (``registry``, sent by name), and its helpers are its own
+    reaches through a module (``views``, sent by name), and its helpers are its own
     methods."""
 
     def __init__(self, engine: DeploymentHandle) -> None:
@@ -129,25 +129,17 @@ class OpenAIIngress:
 
     @ingress_app.get("/stats")
     async def stats(self) -> Response:
-        """This ingress replica's request router, as the gateway's ``/stats`` (404
-        before its first decision, or under another router)."""
-        router = registry.LIVE_ROUTERS.get(ENGINE)
-        if router is None or router.gateway is None:
-            return JSONResponse({"error": "no prefix-router decision here yet"}, 404)
-        return JSONResponse(await router.stats())
+        """This ingress replica's request router, as the gateway's ``/stats``."""
+        return await views.stats(ENGINE)
 
     @ingress_app.get("/dashboard", include_in_schema=False)
     async def dashboard(self) -> Response:
         """The gateway's dashboard, drawn from this ingress replica's request router."""
-        return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
+        return views.dashboard()
 
     @ingress_app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data(self, since: float = 0.0, text: bool = False) -> Response:
-        router = registry.LIVE_ROUTERS.get(ENGINE)
-        if router is None or router.gateway is None:
-            return JSONResponse({"error": "no prefix-router decision here yet"}, 404)
-        view = await router.dashboard_view(since, text)
-        return JSONResponse(view, headers={"cache-control": "no-store"})
+        return await views.dashboard_data(ENGINE, since, text)
 
     @ingress_app.get("/engines")
     async def engines(self) -> list[str]:

@@ -65,6 +65,19 @@ class CompletionCall:
         return self._fields[name]
 
     @classmethod
+    def read(cls, request: Any) -> CompletionCall | None:
+        """What a deployment's request router was handed, as a call: ours as it is; Ray
+        Serve LLM's parsed request (a chat's or a completion's OpenAI model, from its
+        ingress) as the body its client wrote; anything else ``None``."""
+        if isinstance(request, cls):
+            return request
+        dump = getattr(request, "model_dump_json", None)
+        if dump is None or not (hasattr(request, "messages") or hasattr(request, "prompt")):
+            return None
+        path = "/v1/chat/completions" if hasattr(request, "messages") else "/v1/completions"
+        return cls(path, dump(exclude_unset=True).encode())
+
+    @classmethod
     def of(cls, path: str, raw: bytes, headers: Mapping[str, str]) -> CompletionCall:
         kept = {name: headers[name] for name in ROUTED_HEADERS if name in headers}
         return cls(path, raw, kept)

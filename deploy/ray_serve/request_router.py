@@ -34,6 +34,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+import aiohttp
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deploy.flags import with_overrides
@@ -41,11 +42,14 @@ from deploy.ray_serve import registry
 from deploy.ray_serve.calls import CompletionCall
 from replica.api import openai as api
 from replica.api import stats as stats_codec
+from replica.api.card import EngineCard
 from replica.api.fleet_token import fleet_token
+from replica.api.stats import KVEventsEndpoint
 from router.config import GatewayConfig
 from router.core import RoutingRequest
 from router.fair.admission import Overloaded
 from router.fair.tenants import Unauthorized
+from router.fleet.backends import describe
 from router.gateway import Gateway, NoBackends
 from router.http.app import backend_session
 from router.http.dashboard.history import History
@@ -76,6 +80,8 @@ class PrefixRequestRouter(RequestRouter):
             raise ValueError(f"unknown request_router_kwargs: {', '.join(unknown)}")
         # nested settings as the config file spells them: routing: {cache_aware: {...}}
         self.config = with_overrides(GatewayConfig(policy=policy), config)
+        #: What the kwargs set, kept when the replicas say otherwise (``_ready``).
+        self._said = set(config) | set(config.get("routing", {}))
         self.gateway: Gateway | None = None
         self._starting = asyncio.Lock()
         #: Placed and not ended, by Serve's internal request id.
@@ -89,8 +95,9 @@ class PrefixRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        call = pending_request.args[0] if pending_request and pending_request.args else None
-        if not isinstance(call, CompletionCall) or not candidate_replicas:
+        handed = pending_request.args[0] if pending_request and pending_request.args else None
+        call = CompletionCall.read(handed)
+        if call is None or not candidate_replicas:
             return [candidate_replicas]  # nothing to route by: Serve's choice among them
         assert pending_request is not None
         gateway = await self._ready()
@@ -166,22 +173,35 @@ class PrefixRequestRouter(RequestRouter):
             if self.gateway is None:
                 token = fleet_token(self.config.fleet_token_file)
                 client = backend_session(self.config, token)
+                card = await self._first_card(client)
+                if card is not None:  # the model, tokenizer, block size the engines say
+                    self.config = self.config.configured_by(card, keep=self._said)
                 gateway = Gateway(self.config, client, fleet_token=token)
                 self._follow(gateway)
                 await gateway.pool.learned(JOIN_TIMEOUT_S)
                 self.gateway = gateway
             return self.gateway
 
+    async def _first_card(self, client: aiohttp.ClientSession) -> EngineCard | None:
+        """What the first replica that answers says of itself (``None``: none does)."""
+        for replica in self._replicas_list:
+            url = replica.replica_metadata.get("url")
+            card = await describe(client, url) if url else None
+            if card is not None:
+                return card
+        return None
+
     def _follow(self, gateway: Gateway) -> None:
         """Make the pool's backends the deployment's replicas."""
         pool = gateway.pool
         current = {
-            replica.replica_id.to_full_id_str(): replica.replica_metadata.get("url")
+            replica.replica_id.to_full_id_str(): replica.replica_metadata
             for replica in self._replicas_list
         }
-        for replica_id, url in current.items():
+        for replica_id, said in current.items():
+            url = said.get("url")
             if url and replica_id not in {b.state.replica_id for b in pool.backends}:
-                pool.add(url, replica_id=replica_id)
+                pool.add(url, replica_id=replica_id, kv_endpoint=_kv_endpoint(said))
         for backend in pool.backends:
             if backend.state.replica_id not in current:
                 self._event_loop.create_task(self._forget(gateway, backend.state.replica_id))
@@ -191,3 +211,10 @@ class PrefixRequestRouter(RequestRouter):
         with contextlib.suppress(Exception):
             await gateway.pool.remove(replica_id)
         log.info("replica %s left the deployment: forgotten", replica_id)
+
+
+def _kv_endpoint(said: dict[str, Any]) -> KVEventsEndpoint | None:
+    """Where a replica that does not say it in its card publishes KV events: a Serve
+    LLM replica (deploy/ray_serve/llm_server.py) says it in its metadata."""
+    events = said.get("kv_events")
+    return KVEventsEndpoint(**events) if events else None
