@@ -3,7 +3,9 @@
 A row labelled ``serve_<router>`` runs the workload through a Ray Serve application of
 our engines (deploy/ray_serve/), started for the row with ``serve run`` on a Ray of its
 own and stopped after it: engines configured as the bench's own replicas are (their
-``/stats`` say how), as many, fresh. The routers, by label:
+``/stats`` say how), as many, fresh. Where the bench's replicas are vLLM servers, the
+application is Ray Serve LLM's, as many vLLM replicas of the same model inside it
+(deploy/ray_serve/llm_app.py). The routers, by label:
 
 - ``serve_pow2``: Serve's default, power of two choices on queue lengths;
 - ``serve_prefix_affinity``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (a
@@ -26,11 +28,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from deploy.processes import free_port, stop, wait_until
-from deploy.ray_serve.config import ServeApp
+from deploy.ray_serve.config import ServeApp, ServeLLMApp
 from replica.api.config import ReplicaConfig
 from router.config import GatewayConfig
 from router.policies import POLICIES
@@ -59,18 +62,7 @@ def application(
 ) -> ServeApp:
     """The Serve application a row runs on: ``replicas`` engines like ``engine``,
     routed as ``label`` says (ours with ``gateway``'s routing settings)."""
-    if label in SERVE_ROUTERS:
-        router, kwargs = SERVE_ROUTERS[label], {}
-    else:
-        policy = label.removeprefix(PREFIX)
-        if policy not in POLICIES:
-            known = ", ".join([*SERVE_ROUTERS, *(PREFIX + p for p in POLICIES)])
-            raise ValueError(f"unknown Ray Serve row {label!r}: one of {known}")
-        routing = dataclasses.asdict(gateway.routing)
-        # No join checks: the engines are ours, set up as the bench's replicas, and a
-        # check's canary prompt, sent by a router Serve makes during the row, would count
-        # in the row (one did under a busy machine's CI, the warm-up notwithstanding).
-        router, kwargs = "prefix", {"policy": policy, "routing": routing, "check_backends": False}
+    router, kwargs = _router(label, gateway)
     return ServeApp(
         router=router,
         router_kwargs=kwargs,
@@ -80,8 +72,19 @@ def application(
     )
 
 
+def llm_application(label: str, replicas: int, gateway: GatewayConfig) -> ServeLLMApp:
+    """The Serve LLM application a row runs on when the bench's engines are vLLM servers:
+    ``replicas`` vLLM replicas of the gateway's model inside Serve LLM, routed as
+    ``label`` says (ours with ``gateway``'s routing settings), vLLM's development
+    endpoints on so that the bench empties their caches as it does its own servers'."""
+    router, kwargs = _router(label, gateway)
+    return ServeLLMApp(gateway.model, router, kwargs, replicas, port=free_port(), dev_mode=True)
+
+
 @contextlib.contextmanager
-def running(app: ServeApp, out: Path, timeout_s: float = 300.0) -> Iterator[tuple[str, list[str]]]:
+def running(
+    app: ServeApp | ServeLLMApp, out: Path, timeout_s: float = 300.0
+) -> Iterator[tuple[str, list[str]]]:
     """``serve run`` of ``app`` (its config in ``out``, its log beside), on a Ray of its
     own; the ingress's URL and the engines' once every engine serves; stopped (Serve,
     then its Ray) however the row ends."""
@@ -106,18 +109,33 @@ def running(app: ServeApp, out: Path, timeout_s: float = 300.0) -> Iterator[tupl
             return answer.status_code == 200 and len(answer.json()) == app.replicas
 
         wait_until(url, process, ready, path="/engines", timeout_s=timeout_s)
-        checked(url, timeout_s)
+        checked(url, timeout_s, app.model if isinstance(app, ServeLLMApp) else None)
         yield url, httpx.get(f"{url}/engines", timeout=10).json()
     finally:
         stop(process, timeout_s=60)
 
 
-def checked(url: str, timeout_s: float) -> None:
+def _router(label: str, gateway: GatewayConfig) -> tuple[str, dict[str, Any]]:
+    """The router a row's label names, and its settings (ours: the gateway's routing)."""
+    if label in SERVE_ROUTERS:
+        return SERVE_ROUTERS[label], {}
+    policy = label.removeprefix(PREFIX)
+    if policy not in POLICIES:
+        known = ", ".join([*SERVE_ROUTERS, *(PREFIX + p for p in POLICIES)])
+        raise ValueError(f"unknown Ray Serve row {label!r}: one of {known}")
+    routing = dataclasses.asdict(gateway.routing)
+    # No join checks: the engines are set up as the bench's replicas, and a check's
+    # canary prompt, sent by a router Serve makes during the row, would count in the row
+    # (one did under a busy machine's CI, the warm-up notwithstanding).
+    return "prefix", {"policy": policy, "routing": routing, "check_backends": False}
+
+
+def checked(url: str, timeout_s: float, model: str | None = None) -> None:
     """Wake the application's request router (Serve makes it at the first request) and
     wait until ours has checked every engine, as the bench waits for its gateways: a
     check's canary prompts, answered during a row, would count in it (the bench empties
-    the engines before the row)."""
-    body = {"prompt": "warm-up", "max_tokens": 1}
+    the engines before the row). ``model``: the one to name (Serve LLM's ingress asks)."""
+    body = {"prompt": "warm-up", "max_tokens": 1, **({"model": model} if model else {})}
     httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s).raise_for_status()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

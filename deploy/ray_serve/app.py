@@ -30,11 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from ray import serve
-from ray.experimental import internal_kv
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from deploy.ray_serve import views
+from deploy.ray_serve import directory, views
 from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS, gathered
 from deploy.ray_serve.calls import CompletionCall
 from deploy.ray_serve.config import ENGINE, INGRESS, ROUTERS, ServeApp
@@ -42,10 +41,6 @@ from deploy.replicas import SimReplica
 from replica.api.config import ReplicaConfig
 from replica.api.fleet_token import bearer, fleet_token
 from router.http.dashboard import STATIC
-
-#: Where each engine replica writes its server's URL (a namespace of Ray's key-value
-#: store), by application and replica.
-DIRECTORY = "prefix-router-serve"
 
 #: Requests Serve sends one engine replica at a time: the gateway's default per
 #: replica (an engine batches them; Serve's default of 5 would starve it).
@@ -72,13 +67,13 @@ class EngineReplica:
         application's directory, where the ingress's ``/engines`` lists it whatever
         the router."""
         url = await self.server.url()
-        internal_kv._internal_kv_put(_directory_key(), url.encode(), namespace=DIRECTORY)
+        directory.enter(url)
         return {"url": url}
 
     def __del__(self) -> None:
         # Serve stops the replica gracefully: it leaves the directory
         with contextlib.suppress(Exception):
-            internal_kv._internal_kv_del(_directory_key(), namespace=DIRECTORY)
+            directory.leave()
 
     async def check_health(self) -> None:
         await self.server.url()  # restarts the server if it stopped
@@ -113,8 +108,8 @@ class OpenAIIngress:
 
     Serve ships this class by value (``serve.ingress`` makes it anew), and with it
     copies of the module's globals it names: what it shares with this process it
-    reaches through a module (``views``, sent by name), and its helpers are its own
-    methods."""
+    reaches through modules (``views``, ``directory``, sent by name), and its helpers
+    are its own methods."""
 
     def __init__(self, engine: DeploymentHandle) -> None:
         self.engine = engine.options(stream=True)
@@ -145,9 +140,7 @@ class OpenAIIngress:
     async def engines(self) -> list[str]:
         """The engine replicas' own URLs (their ``/stats``, ``/reset``), as each wrote
         them in the application's directory."""
-        from deploy.ray_serve import app  # this process's module: see the class's doc
-
-        return app.engine_urls(serve.get_replica_context().app_name)
+        return directory.app_engine_urls()
 
     @ingress_app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -163,19 +156,6 @@ class OpenAIIngress:
     async def _chunks(answer: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         async for chunk in answer:
             yield chunk
-
-
-def _directory_key() -> str:
-    context = serve.get_replica_context()
-    return f"{context.app_name}/{context.replica_id.unique_id}"
-
-
-def engine_urls(app_name: str) -> list[str]:
-    """The URLs of an application's engine replicas, from its directory (Ray's key-value
-    store, which Serve keeps its own state in too)."""
-    keys = internal_kv._internal_kv_list(f"{app_name}/", namespace=DIRECTORY)
-    urls = (internal_kv._internal_kv_get(key, namespace=DIRECTORY) for key in keys)
-    return sorted(url.decode() for url in urls if url)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

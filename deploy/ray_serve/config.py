@@ -8,6 +8,7 @@ engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -16,6 +17,8 @@ from deploy.ray_serve.batching import DEFAULT_INTERVAL_MS
 
 APP_NAME = "prefix-router"
 IMPORT_PATH = "deploy.ray_serve.app:build_app"
+#: Ray Serve LLM's application of vLLM replicas, routed by ours (llm_app.py), as shipped.
+LLM_CONFIG_FILE = Path(__file__).with_name("serve_llm_config.yaml")
 ENGINE = "PrefixEngine"
 INGRESS = "OpenAIIngress"
 
@@ -99,4 +102,45 @@ class ServeApp:
             "# prefix-router on Ray Serve (deploy/ray_serve/): `serve run FILE`, or\n"
             "# `serve deploy FILE` onto a `ray start` cluster.\n"
         )
+        return header + yaml.safe_dump(self.config(), sort_keys=False)
+
+
+@dataclass(frozen=True)
+class ServeLLMApp:
+    """Ray Serve LLM's application of vLLM replicas (deploy/ray_serve/llm_app.py): the
+    shipped config file's, serving another model with another router and count."""
+
+    #: The model's folder, also its name in requests (as ``prefix-router serve`` names it).
+    model: str
+    router: str = "prefix"
+    router_kwargs: dict[str, Any] = field(default_factory=dict)
+    replicas: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: vLLM's development endpoints on (``/reset_prefix_cache``, which a bench asks).
+    dev_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
+
+    def config(self) -> dict[str, Any]:
+        """The whole Serve config file, as a dict."""
+        config: dict[str, Any] = yaml.safe_load(LLM_CONFIG_FILE.read_text())
+        config["http_options"] = {"host": self.host, "port": self.port}
+        (application,) = config["applications"]
+        (llm,) = application["args"]["llm_configs"]
+        llm["model_loading_config"] = {"model_id": self.model, "model_source": self.model}
+        deployment = llm["deployment_config"]
+        deployment["num_replicas"] = self.replicas
+        deployment["request_router_config"] = {
+            "request_router_class": ROUTERS[self.router],
+            "request_router_kwargs": dict(self.router_kwargs),
+        }
+        if self.dev_mode:
+            llm["runtime_env"]["env_vars"]["VLLM_SERVER_DEV_MODE"] = "1"
+        return config
+
+    def yaml(self) -> str:
+        header = "# Ray Serve LLM's vLLM replicas (deploy/ray_serve/llm_app.py): `serve run FILE`\n"
         return header + yaml.safe_dump(self.config(), sort_keys=False)

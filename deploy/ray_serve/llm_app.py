@@ -13,7 +13,8 @@ the same application, with three differences:
   its ``deployment_config`` names a ``request_router_config`` (Serve's default or
   Serve LLM's routers, compared on the same replicas);
 - the ingress also answers ``/stats`` and ``/dashboard``, drawn from the router of its
-  handle to a model's replicas (``?model=`` where it serves several).
+  handle to a model's replicas (``?model=`` where it serves several), and ``/engines``:
+  the replicas' own vLLM servers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ray.llm._internal.serve.core.ingress.ingress import (
 from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 from ray.serve.deployment import Application
 
-from deploy.ray_serve import views
+from deploy.ray_serve import directory, views
 from deploy.ray_serve.llm_server import PrefixLLMServer, prefix_router_config
 from router.http.dashboard import STATIC
 
@@ -46,6 +47,7 @@ VIEWS = {
     "stats": lambda app: app.get("/stats"),
     "dashboard": lambda app: app.get("/dashboard", include_in_schema=False),
     "dashboard_data": lambda app: app.get("/dashboard/data", include_in_schema=False),
+    "engines": lambda app: app.get("/engines"),
 }
 
 
@@ -70,6 +72,10 @@ class PrefixOpenAiIngress(OpenAiIngress):
         if deployment is None:
             return JSONResponse({"error": f"say which model: {self._models()}"}, 404)
         return await views.dashboard_data(deployment, since, text)
+
+    async def engines(self) -> list[str]:
+        """The vLLM servers of the replicas (their ``/metrics``), whatever the router."""
+        return directory.app_engine_urls()
 
     def _deployment_of(self, model: str | None) -> str | None:
         handles = self._default_serve_handles

@@ -34,6 +34,7 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.config import RequestRouterConfig
 
 from deploy.processes import free_port
+from deploy.ray_serve import directory
 from deploy.ray_serve.config import ROUTERS
 from deploy.serving import listening_socket, serve_in_loop
 from replica.vllm_server import KV_TOPIC, OWNER_FILE, WORK_PREFIX, remove_orphaned_folders
@@ -86,11 +87,14 @@ class PrefixLLMServer(LLMServer):
 
     async def record_replica_metadata(self) -> dict[str, Any]:
         """Said once, when the replica is ready: where its vLLM server answers and where
-        its engine publishes KV events (the request router follows both)."""
+        its engine publishes KV events (the request router follows both). The URL also
+        goes in the application's directory, where the ingress's ``/engines`` lists it."""
+        directory.enter(self._url)
         return {"url": self._url, "kv_events": self._kv_events}
 
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):
+            directory.leave()
             self._http.stop()
         await super().__del__()
         shutil.rmtree(self._workdir, ignore_errors=True)

@@ -125,13 +125,21 @@ def run_in_ray_serve(
     the fleet's replicas are, started for this row and stopped after it
     (loadtest/ray_serve.py)."""
     engines = [c for c in fleet.replicas.values() if c]
-    if fleet.stats is None or len(engines) != len(fleet.replicas):
+    vllm = fleet.stats is not None and {b.engine for b in fleet.stats.backends} == {"vllm"}
+    if fleet.stats is None or not (vllm or len(engines) == len(fleet.replicas)):
         raise ValueError(
-            f"{label}: a Ray Serve row runs engines like the bench's own simulated "
-            "replicas (an embedded deployment or our gateway in front of ours)"
+            f"{label}: a Ray Serve row runs engines like the bench's own replicas, "
+            "simulated or vLLM (an embedded deployment, or our gateway in front of them)"
         )
-    app = ray_serve.application(label, engines[0], len(engines), fleet.stats.config)
-    print(f"bench: starting Ray Serve with {app.replicas} engines for {label}…", file=sys.stderr)
+    count, gateway = len(fleet.replicas), fleet.stats.config
+    app: ray_serve.ServeApp | ray_serve.ServeLLMApp
+    if vllm:
+        app = ray_serve.llm_application(label, count, gateway)
+        what = "Ray Serve LLM with {} vLLM replicas"
+    else:
+        app = ray_serve.application(label, engines[0], count, gateway)
+        what = "Ray Serve with {} engines"
+    print(f"bench: starting {what.format(count)} for {label}…", file=sys.stderr)
     with ray_serve.running(app, out / label / "serve") as (url, engine_urls):
         served = Fleet([url], None, {u: replica_config(client, u) for u in engine_urls})
         return run_policy(client, config, served, label, workload, out)

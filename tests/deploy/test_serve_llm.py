@@ -90,5 +90,6 @@ def test_serve_llms_vllm_replicas_are_routed_by_their_kv_events(proxy):
         assert after[holder]["dispatched"] - warmed[holder]["dispatched"] == 6
         assert all(b["event_disagreements"] == 0 for b in after.values())
         assert after[holder]["kv_stream"]["batches"] > 0
-        # the dashboard, drawn from the same router
+        # the dashboard, drawn from the same router; the replicas' own vLLM servers
         assert client.get("/dashboard/data").json()["requests"] == 7
+        assert sorted(client.get("/engines").json()) == sorted(b["url"] for b in after.values())
