@@ -154,7 +154,8 @@ class BenchOptions:
             f"{sglang.LABEL}: SGLang's router in front of the same replicas; "
             f"{vllm_router.LABEL}: vLLM's router in P/D mode in front of them (--prefill); "
             "serve_pow2, serve_prefix_affinity, serve_POLICY: a Ray Serve application of "
-            "as many engines, routed by Serve's default router, Ray Serve LLM's "
+            "as many engines (Ray Serve LLM's, of vLLM replicas, when they are vLLM "
+            "servers), routed by Serve's default router, Ray Serve LLM's "
             "PrefixCacheAffinityRouter or ours with POLICY (loadtest/ray_serve.py)"
         ),
     )
