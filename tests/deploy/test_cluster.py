@@ -190,7 +190,8 @@ def test_up_on_a_busy_port_names_it_and_leaves_no_gateway_behind(head):
 
 
 def test_a_wrong_authentication_token_is_named_as_the_problem(head):
-    wrong = loopback_env(RAY_AUTH_TOKEN="0" * 32)
+    # Ray's own retries cut (20 by default, a second each): refused every time anyway
+    wrong = loopback_env(RAY_AUTH_TOKEN="0" * 32, RAY_NUM_REDIS_GET_RETRIES="2")
     done = prefix_router("status", "--address", head, env=wrong, timeout_s=120)
     assert done.returncode == 2
     assert f"the Ray cluster at {head} refused this machine's authentication token" in done.stderr
