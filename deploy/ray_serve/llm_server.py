@@ -11,7 +11,8 @@ is that replica, made readable to our router as a vLLM server is to our gateway:
   on a port of its own, in the replica's process, where the router reads its card and
   load and sends its join check, as it does for any vLLM server (the engine's metrics
   are therefore vLLM's own, on that ``/metrics``, not Ray's: ``log_engine_metrics`` off);
-- it says both in ``record_replica_metadata``.
+- it says both in ``record_replica_metadata``;
+- that server answers only the fleet's token, as our replicas do (none set: anyone).
 
 Requests still travel as Serve LLM sends them: ingress, handle (whose request router
 is ours), ``LLMServer.chat``. Use it as Serve LLM's ``server_cls``::
@@ -37,6 +38,7 @@ from deploy.processes import free_port
 from deploy.ray_serve import directory
 from deploy.ray_serve.config import ROUTERS
 from deploy.serving import listening_socket, serve_in_loop
+from replica.api.fleet_token import FleetTokenGuard
 from replica.vllm_server import KV_TOPIC, OWNER_FILE, WORK_PREFIX, remove_orphaned_folders
 
 
@@ -79,7 +81,8 @@ class PrefixLLMServer(LLMServer):
         llm_config.log_engine_metrics = False
         await super().__init__(llm_config, **kwargs)
         assert self.engine is not None  # started
-        app = await self.engine.build_asgi_app()
+        # guarded as our replicas are: only the fleet's token passes (none set: all do)
+        app = FleetTokenGuard(await self.engine.build_asgi_app())
         sock = listening_socket(self._host, 0)
         port = sock.getsockname()[1]
         self._http, _ = await serve_in_loop(app, self._host, port, sock, lifespan="off")
