@@ -56,8 +56,7 @@ class ServeApp:
     stream_batching_interval_ms: float = DEFAULT_INTERVAL_MS
 
     def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
+        _check_router(self.router)
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if self.stream_batching_interval_ms < 0:
@@ -121,8 +120,7 @@ class ServeLLMApp:
     dev_mode: bool = False
 
     def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
+        _check_router(self.router)
 
     def config(self) -> dict[str, Any]:
         """The whole Serve config file, as a dict."""
@@ -144,3 +142,8 @@ class ServeLLMApp:
     def yaml(self) -> str:
         header = "# Ray Serve LLM's vLLM replicas (deploy/ray_serve/llm_app.py): `serve run FILE`\n"
         return header + yaml.safe_dump(self.config(), sort_keys=False)
+
+
+def _check_router(router: str) -> None:
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
