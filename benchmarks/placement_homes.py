@@ -2,7 +2,7 @@
 
     python -m benchmarks.placement_homes [--loads 1] [--seeds 0,1,2]
         [--policies sglang_cache_aware,cache_aware,placed_homes,placed_homes_priced]
-        [--knobs load_bound=2,recompute_weight=16] [--capacity-rps 8.25]
+        [--knobs load_bound=2,recompute_weight=16] [--capacity-rps 8.25] [--routers 1]
 
 An experiment, not a policy of the router: variants of ``cache_aware`` that differ only
 in where a prompt cached nowhere goes, replayed on ``benchmarks/saturation_sweep.py``'s
@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import saturation_sweep
 from benchmarks.saturation_sweep import medians, run
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import PrefixIndex
@@ -227,8 +228,11 @@ def main() -> None:
     parser.add_argument("--capacity-rps", type=float, default=8.25)
     parser.add_argument("--sessions", type=int, default=3000)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--routers", type=int, default=1, help="routers, each its own policy")
     args = parser.parse_args()
     register()
+    # the sweep's fleet with this many routers, for the workers forked below
+    saturation_sweep.FLEET = replace(saturation_sweep.FLEET, routers=args.routers)
     knobs = parse_knobs(args.knobs)
     PolicyConfig.of(**knobs)  # a knob misspelt fails here, not in a worker
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -242,7 +246,7 @@ def main() -> None:
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
         done = list(pool.map(run, jobs))
-    print(f"knobs: {knobs or 'defaults'}")
+    print(f"knobs: {knobs or 'defaults'}; routers: {args.routers}")
     print("| load | policy | served req/s | hit rate (seeds) | TTFT p90 | TTFT p99 (seeds) |")
     print("|---:|---|---:|---:|---:|---:|")
     for load in loads:
