@@ -3,6 +3,7 @@
     python -m benchmarks.placement_homes [--loads 1] [--seeds 0,1,2]
         [--policies sglang_cache_aware,cache_aware,placed_homes,placed_homes_priced]
         [--knobs load_bound=2,recompute_weight=16] [--capacity-rps 8.25] [--routers 1]
+        [--fill 0.6] [--eviction-weight 16]
 
 An experiment, not a policy of the router: variants of ``cache_aware`` that differ only
 in where a prompt cached nowhere goes, replayed on ``benchmarks/saturation_sweep.py``'s
@@ -229,8 +230,11 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=3000)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--routers", type=int, default=1, help="routers, each its own policy")
+    parser.add_argument("--fill", type=float, default=PlacedHomesPriced.fill)
+    parser.add_argument("--eviction-weight", type=float, default=PlacedHomesPriced.eviction_weight)
     args = parser.parse_args()
     register()
+    PlacedHomesPriced.fill, PlacedHomesPriced.eviction_weight = args.fill, args.eviction_weight
     # the sweep's fleet with this many routers, for the workers forked below
     saturation_sweep.FLEET = replace(saturation_sweep.FLEET, routers=args.routers)
     knobs = parse_knobs(args.knobs)
@@ -246,7 +250,10 @@ def main() -> None:
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
         done = list(pool.map(run, jobs))
-    print(f"knobs: {knobs or 'defaults'}; routers: {args.routers}")
+    print(
+        f"knobs: {knobs or 'defaults'}; routers: {args.routers}; placed_homes_priced: "
+        f"fill {args.fill:g}, eviction weight {args.eviction_weight:g}"
+    )
     print("| load | policy | served req/s | hit rate (seeds) | TTFT p90 | TTFT p99 (seeds) |")
     print("|---:|---|---:|---:|---:|---:|")
     for load in loads:
