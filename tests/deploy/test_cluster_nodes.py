@@ -166,7 +166,11 @@ def test_up_spreads_over_three_nodes_and_a_node_lost_mid_load_fails_only_its_req
         # only requests in flight on the lost node may fail (a gateway retries those it
         # can: an answer not yet begun)
         assert len(failed) <= in_flight, (failed, in_flight)
+        placed_gateways = {row.name: row.node_id for row in gateways}
         gateways, _ = cluster.status()
+        # no gateway lost with another node (once seen under CI: gateway-1 gone, undiagnosed)
+        alive = cluster.nodes_head_first()
+        assert len(gateways) == 2, (placed_gateways, lost_node, alive, gateways)
         assert all(row.requests for row in gateways), gateways  # both served, one port
 
         def healthy() -> int:
