@@ -168,6 +168,8 @@ class PlacedHomesPriced(PlacedHomes):
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         super().on_dispatch(request, replica)
         self.seq += 1
+        if not request.stride_hashes:  # shorter than a stride: no prefix to keep hot
+            return
         key, tokens = self._shared(request)
         for replica_id, held in self.hot.items():
             if replica_id != replica.replica_id:

@@ -78,3 +78,5 @@ def test_placed_homes_priced_charges_a_copy_for_the_hot_prefixes_it_would_evict(
     # 3,072 hot + 1,024 new tokens pass 60% of 4,096 by 1,638: all 1,024 priced, x16
     assert pol._unseen_by_load(replicas[0], 1024) == 16 * 1024
     assert pol._unseen_by_load(replicas[1], 1024) == 0  # nothing hot there
+    pol.on_dispatch(request(prompt(8), "short"), replicas[1])  # under a stride: not hot
+    assert pol._unseen_by_load(replicas[1], 1024) == 0
