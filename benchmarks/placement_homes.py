@@ -35,29 +35,19 @@ printed beside it. docs/results.md ("Routing at saturation") reports what it fou
 from __future__ import annotations
 
 import argparse
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from benchmarks import saturation_sweep
 from benchmarks.saturation_sweep import medians, run
 from router.core import Clock, ReplicaState, RoutingRequest
-from router.index.prefix_index import PrefixIndex
 from router.policies.cache_aware import CacheAware
+from router.policies.homes import snake
 from router.policies.registry import POLICIES, PolicyConfig
-
-#: What SGLang's tree holds per worker, in tokens (router/policies/sglang.py).
-TREE_TOKENS = 2**24
-
-
-def snake(given: int, replicas: int) -> int:
-    """The position of the ``given``-th home: 0, 1, ..., n-1, n-1, ..., 0, 0, 1, ..."""
-    lap, position = divmod(given, replicas)
-    return position if lap % 2 == 0 else replicas - 1 - position
 
 
 class HomesInTurn(CacheAware):
@@ -95,112 +85,24 @@ class StaticPartition(HomesInTurn):
 
 
 class PlacedHomes(CacheAware):
-    """``cache_aware`` with a cold prompt sent home: where a tree of the cold placements
-    (SGLang's tree, fed only when a prompt is placed cold) sent 30% of it or more; a
-    prompt new to it to the replica given the fewest homes, in a snake among ties.
-    The group is known without the workload's help, and copies made for load leave its
-    home where it was."""
+    """``cache_aware`` with its ``homes`` knob on (router/policies/homes.py): a prompt
+    cached nowhere goes where a tree of the cold placements sent 30% of it or more; a
+    prompt new to it to the replica given the fewest homes, in a snake among ties."""
 
     name = "placed_homes"
-    threshold = 0.3  # SGLang's cache_threshold
+    knobs: ClassVar[dict[str, Any]] = {"homes": True}
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
-        super().__init__(config, clock, rng)
-        index = replace(config.index, mode="approximate", ttl_s=float("inf"))
-        self.placements = PrefixIndex(index, config.block_size, clock, config.model)
-        self.given: Counter[str] = Counter()
-
-    def _cold_slack(self) -> float:
-        return float("inf")
-
-    def _roomiest(self, request: RoutingRequest, near: Sequence[ReplicaState]) -> ReplicaState:
-        for replica in near:
-            if not self.placements.knows(replica.replica_id):
-                tokens = TREE_TOKENS // self.config.block_size
-                self.placements.add_replica(replica.replica_id, tokens, approximate=True)
-        by_id = {r.replica_id: r for r in near}
-        placed = self.placements.match(request.stride_hashes)
-        homes = {r: t for r, t in placed.items() if r in by_id}
-        top = max(homes.values(), default=0)
-        if top and top >= self.threshold * request.num_prompt_tokens:
-            chosen = min((by_id[r] for r, t in homes.items() if t == top), key=self._given)
-        else:
-            chosen = self._next_home(near)
-            self.given[chosen.replica_id] += 1
-        self.placements.record_routing(chosen.replica_id, request.stride_hashes)
-        return chosen
-
-    def _given(self, replica: ReplicaState) -> int:
-        return self.given[replica.replica_id]
-
-    def _next_home(self, near: Sequence[ReplicaState]) -> ReplicaState:
-        """The replica given the fewest homes; among ties, the next in a snake over the
-        replicas in rank order (the popular groups, which come first, spread)."""
-        fewest = min(map(self._given, near))
-        tied = sorted((r for r in near if self._given(r) == fewest), key=lambda r: r.replica_id)
-        lap = sum(self.given.values()) // len(near)
-        return tied[0] if lap % 2 == 0 else tied[-1]
+        knobs = replace(config.cache_aware, **self.knobs)
+        super().__init__(replace(config, cache_aware=knobs), clock, rng)
 
 
 class PlacedHomesPriced(PlacedHomes):
-    """``placed_homes`` whose copies pay for the hot prefixes they evict: on a replica
-    whose hot working set (the shared prefixes routed to it within the last
-    ``window`` requests) and the request's uncached tokens pass ``fill`` of its KV
-    cache, each token beyond it costs ``eviction_weight`` prefill tokens (a hot token
-    evicted is computed again later, as a history moved is)."""
+    """``placed_homes`` whose copies pay for the hot prefixes they evict (the
+    ``eviction_weight`` knob, 16 here; ``hot_fill`` 0.6)."""
 
     name = "placed_homes_priced"
-    prices_every_replica = True
-    fill = 0.6
-    eviction_weight = 16.0
-    window = 1000
-
-    def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
-        super().__init__(config, clock, rng)
-        self.hot: dict[str, OrderedDict[int, tuple[int, int]]] = {}  # key -> (tokens, seq)
-        self.seq = 0
-        self._request: RoutingRequest | None = None
-
-    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        self._request = request
-        return super().choose(request, replicas)
-
-    def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
-        super().on_dispatch(request, replica)
-        self.seq += 1
-        if not request.stride_hashes:  # shorter than a stride: no prefix to keep hot
-            return
-        key, tokens = self._shared(request)
-        for replica_id, held in self.hot.items():
-            if replica_id != replica.replica_id:
-                held.pop(key, None)  # its prefix is kept hot where it goes now
-        held = self.hot.setdefault(replica.replica_id, OrderedDict())
-        held.pop(key, None)
-        held[key] = (tokens, self.seq)
-
-    def _shared(self, request: RoutingRequest) -> tuple[int, int]:
-        """The request's shared prefix (by two requests or more; else its whole prompt,
-        maybe a new group's) as its last stride's identity and its tokens."""
-        hashes = request.stride_hashes
-        depth = self.popularity.depth(hashes, 2) or len(hashes)
-        return hashes[depth - 1], depth * self.config.block_size * self.config.index.stride
-
-    def working_set(self, replica_id: str, request: RoutingRequest) -> int:
-        held = self.hot.get(replica_id)
-        if not held:
-            return 0
-        while held and next(iter(held.values()))[1] < self.seq - self.window:
-            held.popitem(last=False)
-        own = self._shared(request)[0] if request.stride_hashes else None
-        return sum(tokens for key, (tokens, _) in held.items() if key != own)
-
-    def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:
-        request = self._request
-        if uncached_tokens <= 0 or request is None or not request.stride_hashes:
-            return 0.0
-        room = replica.capacity_blocks * self.config.block_size * self.fill
-        over = self.working_set(replica.replica_id, request) + uncached_tokens - room
-        return self.eviction_weight * min(max(0.0, over), uncached_tokens)
+    knobs: ClassVar[dict[str, Any]] = {"homes": True, "eviction_weight": 16.0, "hot_fill": 0.6}
 
 
 VARIANTS = (StaticPartition, HomesInTurn, PlacedHomes, PlacedHomesPriced)
@@ -232,11 +134,14 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=3000)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--routers", type=int, default=1, help="routers, each its own policy")
-    parser.add_argument("--fill", type=float, default=PlacedHomesPriced.fill)
-    parser.add_argument("--eviction-weight", type=float, default=PlacedHomesPriced.eviction_weight)
+    parser.add_argument("--fill", type=float, default=PlacedHomesPriced.knobs["hot_fill"])
+    parser.add_argument(
+        "--eviction-weight", type=float, default=PlacedHomesPriced.knobs["eviction_weight"]
+    )
     args = parser.parse_args()
     register()
-    PlacedHomesPriced.fill, PlacedHomesPriced.eviction_weight = args.fill, args.eviction_weight
+    PlacedHomesPriced.knobs = {"homes": True, "eviction_weight": args.eviction_weight}
+    PlacedHomesPriced.knobs["hot_fill"] = args.fill
     # the sweep's fleet with this many routers, for the workers forked below
     saturation_sweep.FLEET = replace(saturation_sweep.FLEET, routers=args.routers)
     knobs = parse_knobs(args.knobs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -12,6 +12,7 @@ import numpy as np
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig, PrefixPopularity
 from router.policies.baselines import rendezvous, rendezvous_key
+from router.policies.homes import Homes, HotPrefixes
 from router.policies.indexed import IndexedPolicy
 from router.policies.kv_moves import KVMoves
 from router.policies.load_order import Load, LoadOrder
@@ -69,6 +70,19 @@ class CacheAwareConfig:
     #: the move pays for its recompute; while any replica has room, the price is as
     #: before (0: the same price at any load).
     saturation_weight: float = 1.0
+    #: A prompt cached nowhere goes home (router/policies/homes.py), whatever the load:
+    #: where the router placed its prefix before, when it was cached nowhere then too;
+    #: a prefix new to it to the replica given the fewest homes. Off: among the
+    #: near-least-loaded replicas (``cold_slack_tokens``), where it evicts the least.
+    homes: bool = False
+    #: What a copy made for load pays for each hot token it would evict: on a replica
+    #: whose hot working set (the shared prefixes routed to it within the last
+    #: ``hot_window_requests`` requests) and the copy's uncached tokens pass
+    #: ``hot_fill`` of its KV cache, each token beyond costs this many prefill tokens
+    #: (a hot token evicted is computed again later). 0: a copy pays no eviction.
+    eviction_weight: float = 0.0
+    hot_fill: float = 0.6
+    hot_window_requests: int = 1000
 
     def __post_init__(self) -> None:
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
@@ -77,6 +91,11 @@ class CacheAwareConfig:
             raise ValueError("host_token_cost and saturation_weight must not be negative")
         if self.recompute_weight <= 0 or self.private_recompute_weight <= 0:
             raise ValueError("recompute_weight and private_recompute_weight must be positive")
+        if self.eviction_weight < 0 or self.hot_fill <= 0 or self.hot_window_requests < 1:
+            raise ValueError(
+                "eviction_weight must not be negative, hot_fill positive "
+                "and hot_window_requests at least 1"
+            )
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
             raise ValueError(
                 "load_bound must be at least 1, overflow_tokens not negative "
@@ -130,11 +149,22 @@ class CacheAware(IndexedPolicy):
         self.popularity = PrefixPopularity()
         #: The recompute terms' factor for the decision under way (_saturation_factor).
         self._miss_factor = 1.0
+        self._request: RoutingRequest | None = None  # the decision under way's
         self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
         self.moves = KVMoves(config.kv, config.ttft.cost_profile)
+        knobs = config.cache_aware
+        #: Where prefixes cached nowhere live, and the hot prefixes a copy would evict
+        #: (``homes``, ``eviction_weight``: router/policies/homes.py).
+        self.cold_homes = (
+            Homes(config.index, config.block_size, clock, config.model) if knobs.homes else None
+        )
+        self.hot_prefixes = (
+            HotPrefixes(knobs.hot_window_requests) if knobs.eviction_weight else None
+        )
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        self._request = request  # what an eviction's price is of
         whole_fleet = bool(self.order) and len(replicas) == len(self.order)
         self._miss_factor = self._saturation_factor(replicas, whole_fleet)
         matched = self._matches(request, replicas)
@@ -174,18 +204,44 @@ class CacheAware(IndexedPolicy):
         for replica_id in warm:
             state = order.states[replica_id]
             load = load_of(state.load_prefill_tokens, state.load_requests)
-            held = self._held_cost(
-                prompt, popular, matched.get(replica_id, 0), host.get(replica_id, 0)
-            )
-            costs[replica_id] = load + held
-        cold = order.cheapest(load_of, skip=warm)
-        cold_cost = cold.load + self._recompute_cost(prompt, popular, 0) if cold else math.inf
-        best = min(min(costs.values()), cold_cost)
+            gpu, in_host = matched.get(replica_id, 0), host.get(replica_id, 0)
+            held = self._held_cost(prompt, popular, gpu, in_host)
+            costs[replica_id] = load + held + self._eviction_cost(state, prompt - gpu - in_host)
+        costs |= self._cheapest_cold(request, load_of, warm, popular, min(costs.values()))
+        best = min(costs.values())
         tied = [replica_id for replica_id, cost in costs.items() if cost == best]
-        if cold is not None and cold_cost == best:
-            tied += cold.members(skip=warm)
         tied.sort(key=order.rank.__getitem__)  # as the scan lists them, so ties break alike
         return self._pick([order.states[replica_id] for replica_id in tied])
+
+    def _cheapest_cold(
+        self,
+        request: RoutingRequest,
+        load_of: Load,
+        warm: Collection[str],
+        popular: int,
+        bound: float,
+    ) -> dict[str, float]:
+        """The cold replicas (holding none of the prompt) that may cost ``bound`` or
+        less, and their costs: those at the least load, or, where copies pay for what
+        they evict, every one whose load alone leaves room under the best found (the
+        price is never negative, so the others cannot win)."""
+        order = self.order
+        cold = order.cheapest(load_of, skip=warm)
+        if cold is None:
+            return {}
+        recompute = self._recompute_cost(request.num_prompt_tokens, popular, 0)
+        members = [order.states[replica_id] for replica_id in cold.members(skip=warm)]
+        if self.hot_prefixes is None:
+            return {replica.replica_id: cold.load + recompute for replica in members}
+        prompt = request.num_prompt_tokens
+        least = min(self._eviction_cost(replica, prompt) for replica in members)
+        ceiling = min(bound, cold.load + recompute + least) - recompute
+        costs = {}
+        for replica in order.within(load_of, ceiling + 1.0):  # a token over: no tie lost
+            if replica.replica_id not in warm:
+                load = load_of(replica.load_prefill_tokens, replica.load_requests)
+                costs[replica.replica_id] = load + recompute + self._eviction_cost(replica, prompt)
+        return costs
 
     def _choose_by_scan(
         self,
@@ -215,12 +271,14 @@ class CacheAware(IndexedPolicy):
                 for load, r in zip(loads, replicas, strict=True)
             ]
         if not host and not any(matched.values()) and not pulls:
-            ceiling = min(loads) + self._cold_slack()
+            # a cold prompt under an adapter goes where a slot holds it, else where the
+            # adapter's other prompts go (all routers agree): it stays in few slots,
+            # among the near-least-loaded replicas (homes or not)
+            slack = self._cold_slack() if adapter is None else self._load_slack()
+            ceiling = min(loads) + slack
             near = [r for r, load in zip(replicas, loads, strict=True) if load <= ceiling]
             if adapter is None:
                 return self._roomiest(request, near)
-            # a cold prompt under an adapter goes where a slot holds it, else where the
-            # adapter's other prompts go (all routers agree): it stays in few slots
             holding = [r for r in near if not self._adapter_cost(adapter, r)]
             return rendezvous(adapter.encode(), holding or near)
         nothing_cached = self._recompute_cost(prompt, popular, 0)  # most replicas, often
@@ -236,6 +294,9 @@ class CacheAware(IndexedPolicy):
                 )
                 if r.replica_id in matched or r.replica_id in host or r.replica_id in pulls
                 else nothing_cached
+            )
+            + self._eviction_cost(
+                r, prompt - matched.get(r.replica_id, 0) - host.get(r.replica_id, 0)
             )
             for r, load in zip(replicas, loads, strict=True)
         ]
@@ -273,6 +334,8 @@ class CacheAware(IndexedPolicy):
         fleet's groups better, but made a chat's new sessions follow the emptiest
         replica and load it: ``make demo``'s TTFT p99 63 to 87 ms in replay.)
         """
+        if self.cold_homes is not None and self._has_prefix():
+            return self.cold_homes.home(request, near)
         if len(near) == 1:
             return near[0]
         evicted = [self._evicted_blocks(r, request.num_prompt_tokens) for r in near]
@@ -289,7 +352,38 @@ class CacheAware(IndexedPolicy):
         return max(0, needed - max(0, replica.capacity_blocks - held))
 
     def _cold_slack(self) -> float:
+        """How far above the least loaded replica a prompt cached nowhere may go."""
+        if self.cold_homes is not None and self._has_prefix():
+            return math.inf  # every replica is a candidate: the home decides
+        return self._load_slack()
+
+    def _has_prefix(self) -> bool:
+        """Whether the request under way is a stride long or more (has a home)."""
+        return self._request is not None and bool(self._request.stride_hashes)
+
+    def _load_slack(self) -> float:
         return self.config.cache_aware.cold_slack_tokens * self._miss_factor
+
+    # ------------------------------------------------------------ evictions
+
+    def _eviction_cost(self, replica: ReplicaState, uncached_tokens: int) -> float:
+        """What computing ``uncached_tokens`` of the request under way on ``replica``
+        evicts of its hot prefixes, in prefill tokens (``eviction_weight``)."""
+        hot, request = self.hot_prefixes, self._request
+        if hot is None or uncached_tokens <= 0 or request is None or not request.stride_hashes:
+            return 0.0
+        knobs, block = self.config.cache_aware, self.config.block_size
+        room = replica.capacity_blocks * block * knobs.hot_fill
+        key, _ = self._shared_prefix(request)
+        over = hot.tokens(replica.replica_id, but=key) + uncached_tokens - room
+        return knobs.eviction_weight * min(max(0.0, over), uncached_tokens)
+
+    def _shared_prefix(self, request: RoutingRequest) -> tuple[int, int]:
+        """The request's shared prefix (by two recent requests or more; else its whole
+        prompt, maybe a new group's): its last stride's identity and its tokens."""
+        hashes = self.popularity.depth(request.stride_hashes, 2) or len(request.stride_hashes)
+        stride_tokens = self.config.block_size * self.config.index.stride
+        return request.stride_hashes[hashes - 1], hashes * stride_tokens
 
     # ------------------------------------------------------------ sessions
 
@@ -333,6 +427,9 @@ class CacheAware(IndexedPolicy):
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaState) -> None:
         super().on_dispatch(request, replica)
         self.popularity.record(request.stride_hashes)
+        if self.hot_prefixes is not None:
+            key, tokens = self._shared_prefix(request) if request.stride_hashes else (None, 0)
+            self.hot_prefixes.routed(replica.replica_id, key, tokens)
 
     def cache_value(self, replica_id: str) -> float:
         """The recent requests through the prefixes it alone holds (each at least
@@ -398,6 +495,10 @@ class CacheAware(IndexedPolicy):
     def on_replica_removed(self, replica: ReplicaState) -> None:
         super().on_replica_removed(replica)
         self.order.remove(replica.replica_id)
+        if self.cold_homes is not None:
+            self.cold_homes.remove(replica.replica_id)
+        if self.hot_prefixes is not None:
+            self.hot_prefixes.remove(replica.replica_id)
         if replica.on_load_change == self.order.update:
             replica.on_load_change = None
 

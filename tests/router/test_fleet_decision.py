@@ -1,8 +1,10 @@
 """``cache_aware`` over a whole fleet prices only the replicas that hold part of the
-prompt and the cheapest cold ones (``router/policies/load_order.py``): on random
-fleets, loads and prompts it picks a replica of the least cost that pricing every
-replica finds, indeed the very replica the full scan picks (ties break alike), and the
-rendezvous choice for a cold prefix."""
+prompt and the cheapest cold ones (``router/policies/load_order.py``), and, where copies
+pay for the hot prefixes they evict (``eviction_weight``), the cold ones whose load
+leaves room under the best: on random fleets, loads, hot sets and prompts it picks a
+replica of the least cost that pricing every replica finds, indeed the very replica
+the full scan picks (ties break alike), and the scan's choice for a cold prefix (by
+rendezvous, or its home)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -18,6 +20,13 @@ from tests.shared import FakeClock, prompt
 SEED = identity_seed(DEFAULT_MODEL)
 BLOCK, STRIDE = 16, 4
 BASES = [prompt(3000, 100_000 * b) for b in range(4)]
+#: Today's price; copies that pay for what they evict (on fleets of 4,096-block replicas
+#: a hot set passes the fill of 0.01 at once); and homes for prefixes cached nowhere.
+KNOBS = [
+    {},
+    {"eviction_weight": 16.0, "hot_fill": 0.01},
+    {"homes": True, "eviction_weight": 4.0, "hot_fill": 0.01},
+]
 
 
 def keys(tokens: np.ndarray) -> list[int]:
@@ -39,7 +48,8 @@ def scan_costs(policy, request: RoutingRequest, fleet: list[ReplicaState]) -> li
             if replica.replica_id in matched or replica.replica_id in host
             else policy._recompute_cost(prompt_tokens, popular, 0)
         )
-        costs.append(load_of(replica.load_prefill_tokens, replica.load_requests) + work)
+        evicts = policy._eviction_cost(replica, prompt_tokens - gpu - more)
+        costs.append(load_of(replica.load_prefill_tokens, replica.load_requests) + work + evicts)
     return costs
 
 
@@ -47,8 +57,9 @@ def scan_costs(policy, request: RoutingRequest, fleet: list[ReplicaState]) -> li
 def scenes(draw):
     size = draw(st.integers(1, 300))
     seed = draw(st.integers(0, 2**32 - 1))
+    knobs = draw(st.sampled_from(KNOBS))
     rng = np.random.default_rng(seed)
-    policy = make_policy("cache_aware", FakeClock(), rng, PolicyConfig())
+    policy = make_policy("cache_aware", FakeClock(), rng, PolicyConfig.of(**knobs))
     fleet = [ReplicaState(f"r{i}", 4096) for i in range(size)]
     for replica in fleet:
         policy.on_replica_added(replica)
@@ -66,6 +77,9 @@ def scenes(draw):
         target.add(bit, keys(tokens))
         for _ in range(int(rng.integers(0, 20))):
             policy.popularity.record(keys(tokens))
+        if policy.hot_prefixes is not None:  # hot there: a copy evicting it pays
+            hot = keys(tokens)
+            policy.hot_prefixes.routed(owner.replica_id, hot[-1], len(hot) * BLOCK * STRIDE)
     return policy, fleet, rng
 
 
@@ -89,7 +103,7 @@ def test_the_fleet_path_picks_a_replica_of_the_least_cost(scene, base, length):
 
 @settings(max_examples=100, deadline=None)
 @given(scenes(), st.integers(1, 3000))
-def test_a_cold_prefix_goes_where_rendezvous_hashing_sends_it(scene, length):
+def test_a_cold_prefix_goes_where_the_scan_sends_it(scene, length):
     policy, fleet, _ = scene
     cold = prompt(length, 7_000_000)
     request = RoutingRequest("cold", length, keys(cold))
