@@ -150,6 +150,7 @@ class CacheAware(IndexedPolicy):
         #: The recompute terms' factor for the decision under way (_saturation_factor).
         self._miss_factor = 1.0
         self._request: RoutingRequest | None = None  # the decision under way's
+        self._hot_key: int | None = None  # its shared prefix's, where copies pay
         self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
         self.moves = KVMoves(config.kv, config.ttft.cost_profile)
         knobs = config.cache_aware
@@ -165,6 +166,8 @@ class CacheAware(IndexedPolicy):
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
         self._request = request  # what an eviction's price is of
+        if self.hot_prefixes is not None and request.stride_hashes:
+            self._hot_key = self._shared_prefix(request)[0]  # once a decision
         whole_fleet = bool(self.order) and len(replicas) == len(self.order)
         self._miss_factor = self._saturation_factor(replicas, whole_fleet)
         matched = self._matches(request, replicas)
@@ -234,7 +237,10 @@ class CacheAware(IndexedPolicy):
         if self.hot_prefixes is None:
             return {replica.replica_id: cold.load + recompute for replica in members}
         prompt = request.num_prompt_tokens
-        least = min(self._eviction_cost(replica, prompt) for replica in members)
+        prices = {replica.replica_id: self._eviction_cost(replica, prompt) for replica in members}
+        least = min(prices.values())
+        if not least:  # one at the least load evicts nothing hot: none further can be cheaper
+            return {replica_id: cold.load + recompute + p for replica_id, p in prices.items()}
         ceiling = min(bound, cold.load + recompute + least) - recompute
         costs = {}
         for replica in order.within(load_of, ceiling + 1.0):  # a token over: no tie lost
@@ -369,13 +375,12 @@ class CacheAware(IndexedPolicy):
     def _eviction_cost(self, replica: ReplicaState, uncached_tokens: int) -> float:
         """What computing ``uncached_tokens`` of the request under way on ``replica``
         evicts of its hot prefixes, in prefill tokens (``eviction_weight``)."""
-        hot, request = self.hot_prefixes, self._request
-        if hot is None or uncached_tokens <= 0 or request is None or not request.stride_hashes:
+        hot = self.hot_prefixes
+        if hot is None or uncached_tokens <= 0 or not self._has_prefix():
             return 0.0
         knobs, block = self.config.cache_aware, self.config.block_size
         room = replica.capacity_blocks * block * knobs.hot_fill
-        key, _ = self._shared_prefix(request)
-        over = hot.tokens(replica.replica_id, but=key) + uncached_tokens - room
+        over = hot.tokens(replica.replica_id, but=self._hot_key) + uncached_tokens - room
         return knobs.eviction_weight * min(max(0.0, over), uncached_tokens)
 
     def _shared_prefix(self, request: RoutingRequest) -> tuple[int, int]:
