@@ -5,7 +5,7 @@
         [--knobs load_bound=2,recompute_weight=16] [--capacity-rps 8.25] [--routers 1]
         [--fill 0.6] [--eviction-weight 16]
 
-An experiment, not a policy of the router: variants of ``cache_aware`` that differ only
+An experiment: variants of ``cache_aware`` that differ only
 in where a prompt cached nowhere goes, replayed on ``benchmarks/saturation_sweep.py``'s
 fleet and workload (96 groups of 4,096-token prompts filling three quarters of 8
 replicas' KV). ``cache_aware`` places such a prompt among the near-least-loaded replicas
@@ -22,12 +22,15 @@ sends an evicted one back to it, so its groups sit 12 a replica and never move.
 - ``placed_homes``: the same, with homes a router can know: a tree of its cold
   placements (SGLang's tree, fed only when a prompt is placed cold) says a prompt's
   home; a prompt new to it goes to the replica given the fewest homes, in a snake.
+  Since landed as a knob: ``cache_aware --homes`` (router/policies/homes.py).
 - ``placed_homes_priced``: ``placed_homes`` whose copies for load pay for the hot
-  prefixes they would evict where the replica's hot working set is large.
+  prefixes they would evict where the replica's hot working set is large:
+  ``cache_aware --homes --eviction-weight 16``.
 
 Every variant takes ``cache_aware``'s knobs (``--knobs``). In any other replay, once
 registered: ``python -c "from benchmarks.placement_homes import register; register();
-from prefix_router.cli import main; main()" replay --policies placed_homes ...``.
+from prefix_router.cli import main; main()" replay --policies placed_homes ...`` (or
+``replay --policies cache_aware --homes``, the router's own).
 Each row is the median of the seeds, as in the sweep; the hit rates of every seed are
 printed beside it. docs/results.md ("Routing at saturation") reports what it found.
 """
