@@ -386,9 +386,9 @@ class CacheAware(IndexedPolicy):
     def _shared_prefix(self, request: RoutingRequest) -> tuple[int, int]:
         """The request's shared prefix (by two recent requests or more; else its whole
         prompt, maybe a new group's): its last stride's identity and its tokens."""
-        hashes = self.popularity.depth(request.stride_hashes, 2) or len(request.stride_hashes)
+        depth = self.popularity.depth(request.stride_hashes, 2) or len(request.stride_hashes)
         stride_tokens = self.config.block_size * self.config.index.stride
-        return request.stride_hashes[hashes - 1], hashes * stride_tokens
+        return request.stride_hashes[depth - 1], depth * stride_tokens
 
     # ------------------------------------------------------------ sessions
 
