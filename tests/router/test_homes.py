@@ -4,8 +4,6 @@ they keep the groups still."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pytest
 
@@ -120,11 +118,9 @@ def test_on_a_fleet_short_of_kv_homes_and_priced_copies_keep_the_groups_still():
 
 def test_a_replica_removed_leaves_no_home_nor_hot_prefix_behind():
     pol, replicas = policy("cache_aware", homes=True, eviction_weight=16.0), fleet(2)
-    placed = defaultdict(list)
-    for i, group in enumerate(prompts(2)):
+    for i, group in enumerate(prompts(2)):  # one home on each
         new = request(group, f"new-{i}")
-        placed[(chosen := dispatch(pol, new, replicas)).replica_id].append(new)
-        complete(pol, new, chosen)
+        complete(pol, new, dispatch(pol, new, replicas))
     pol.on_replica_removed(replicas[1])
     assert "replica-1" not in pol.cold_homes.given
     assert pol.hot_prefixes.tokens("replica-1") == 0
