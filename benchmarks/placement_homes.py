@@ -93,7 +93,7 @@ class PlacedHomes(CacheAware):
     prompt new to it to the replica given the fewest homes, in a snake among ties."""
 
     name = "placed_homes"
-    knobs: ClassVar[dict[str, Any]] = {"homes": True}
+    knobs: ClassVar[dict[str, Any]] = {"homes": True, "eviction_weight": 0.0}
 
     def __init__(self, config: PolicyConfig, clock: Clock, rng: np.random.Generator) -> None:
         knobs = replace(config.cache_aware, **self.knobs)
@@ -102,10 +102,16 @@ class PlacedHomes(CacheAware):
 
 class PlacedHomesPriced(PlacedHomes):
     """``placed_homes`` whose copies pay for the hot prefixes they evict (the
-    ``eviction_weight`` knob, 16 here; ``hot_fill`` 0.6)."""
+    ``eviction_weight`` knob, 16 here; ``hot_fill`` 0.6), wherever shared prefixes
+    crowd the caches or not (``crowded_share`` 0)."""
 
     name = "placed_homes_priced"
-    knobs: ClassVar[dict[str, Any]] = {"homes": True, "eviction_weight": 16.0, "hot_fill": 0.6}
+    knobs: ClassVar[dict[str, Any]] = {
+        "homes": True,
+        "eviction_weight": 16.0,
+        "hot_fill": 0.6,
+        "crowded_share": 0.0,
+    }
 
 
 VARIANTS = (StaticPartition, HomesInTurn, PlacedHomes, PlacedHomesPriced)

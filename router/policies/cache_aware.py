@@ -12,7 +12,7 @@ import numpy as np
 from router.core import Clock, ReplicaState, RoutingRequest
 from router.index.prefix_index import IndexConfig, PrefixPopularity
 from router.policies.baselines import rendezvous, rendezvous_key
-from router.policies.homes import Homes, HotPrefixes
+from router.policies.homes import Homes, HotPrefixes, SharedPrefixes
 from router.policies.indexed import IndexedPolicy
 from router.policies.kv_moves import KVMoves
 from router.policies.load_order import Load, LoadOrder
@@ -70,19 +70,29 @@ class CacheAwareConfig:
     #: the move pays for its recompute; while any replica has room, the price is as
     #: before (0: the same price at any load).
     saturation_weight: float = 1.0
-    #: A prompt cached nowhere goes home (router/policies/homes.py), whatever the load:
-    #: where the router placed its prefix before, when it was cached nowhere then too;
-    #: a prefix new to it to the replica given the fewest homes. Off: among the
-    #: near-least-loaded replicas (``cold_slack_tokens``), where it evicts the least.
-    homes: bool = False
+    #: A prompt cached nowhere goes home, whatever the load (router/policies/homes.py):
+    #: where the router placed its prefix before, when it was cached nowhere then too,
+    #: so groups do not move; a prefix new to it to the replica given the fewest homes
+    #: among those within ``recompute_weight`` times its prefill of the least loaded.
+    #: Off: among the near-least-loaded replicas (``cold_slack_tokens``), where it
+    #: evicts the least.
+    homes: bool = True
     #: What a copy made for load pays for each hot token it would evict: on a replica
     #: whose hot working set (the shared prefixes routed to it within the last
-    #: ``hot_window_requests`` requests) and the copy's uncached tokens pass
-    #: ``hot_fill`` of its KV cache, each token beyond costs this many prefill tokens
-    #: (a hot token evicted is computed again later). 0: a copy pays no eviction.
-    eviction_weight: float = 0.0
+    #: ``hot_window_requests`` requests) and the copy's uncached tokens pass ``hot_fill``
+    #: of its KV cache, each token beyond costs this many prefill tokens (a hot token
+    #: evicted is computed again later). 0: a copy pays no eviction.
+    eviction_weight: float = 16.0
     hot_fill: float = 0.6
     hot_window_requests: int = 1000
+    #: Copies pay for their evictions only where shared prefixes crowd the caches: while
+    #: the prefixes that different requests shared within the last
+    #: ``hot_window_requests`` requests need this share of the fleet's KV cache or more
+    #: (0: always), and some replica has no queue. There a group that
+    #: moves evicts another group, which moves in turn; on a chat fleet, whose caches
+    #: hold conversations' histories, balance pays instead, and past capacity every
+    #: recompute is dear already (``saturation_weight``) and a copy drains a queue.
+    crowded_share: float = 0.3
 
     def __post_init__(self) -> None:
         if self.running_request_tokens < 0 or self.cold_slack_tokens < 0:
@@ -96,11 +106,18 @@ class CacheAwareConfig:
                 "eviction_weight must not be negative, hot_fill positive "
                 "and hot_window_requests at least 1"
             )
+        if self.crowded_share < 0:
+            raise ValueError("crowded_share must not be negative")
         if self.load_bound < 1 or self.overflow_tokens < 0 or self.popular_requests < 1:
             raise ValueError(
                 "load_bound must be at least 1, overflow_tokens not negative "
                 "and popular_requests positive"
             )
+
+
+#: Requests between two looks at whether shared prefixes crowd the fleet's caches (a
+#: look sums the fleet's KV blocks).
+CROWDING_EVERY = 10
 
 
 class CacheAware(IndexedPolicy):
@@ -154,14 +171,21 @@ class CacheAware(IndexedPolicy):
         self.order = LoadOrder()  # filled by on_replica_added, kept by router/fleet/load.py
         self.moves = KVMoves(config.kv, config.ttft.cost_profile)
         knobs = config.cache_aware
-        #: Where prefixes cached nowhere live, and the hot prefixes a copy would evict
-        #: (``homes``, ``eviction_weight``: router/policies/homes.py).
+        #: Where prefixes cached nowhere live, the hot prefixes a copy would evict, and
+        #: whether shared prefixes crowd the fleet's caches, so that copies pay (``homes``,
+        #: ``eviction_weight``, ``crowded_share``: router/policies/homes.py).
         self.cold_homes = (
             Homes(config.index, config.block_size, clock, config.model) if knobs.homes else None
         )
         self.hot_prefixes = (
             HotPrefixes(knobs.hot_window_requests) if knobs.eviction_weight else None
         )
+        self.shared_prefixes = (
+            SharedPrefixes(knobs.hot_window_requests, config.stride_tokens)
+            if knobs.eviction_weight and knobs.crowded_share
+            else None
+        )
+        self.crowded = not knobs.crowded_share
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
@@ -234,7 +258,7 @@ class CacheAware(IndexedPolicy):
             return {}
         recompute = self._recompute_cost(request.num_prompt_tokens, popular, 0)
         members = [order.states[replica_id] for replica_id in cold.members(skip=warm)]
-        if self.hot_prefixes is None:
+        if not self._pays_evictions():
             return {replica.replica_id: cold.load + recompute for replica in members}
         prompt = request.num_prompt_tokens
         prices = {replica.replica_id: self._eviction_cost(replica, prompt) for replica in members}
@@ -340,7 +364,8 @@ class CacheAware(IndexedPolicy):
         fleet's groups better, but made a chat's new sessions follow the emptiest
         replica and load it: ``make demo``'s TTFT p99 63 to 87 ms in replay.)
         """
-        if self.cold_homes is not None and self._has_prefix():
+        if self._goes_home():
+            assert self.cold_homes is not None
             return self.cold_homes.home(request, near)
         if len(near) == 1:
             return near[0]
@@ -358,10 +383,27 @@ class CacheAware(IndexedPolicy):
         return max(0, needed - max(0, replica.capacity_blocks - held))
 
     def _cold_slack(self) -> float:
-        """How far above the least loaded replica a prompt cached nowhere may go."""
-        if self.cold_homes is not None and self._has_prefix():
+        """How far above the least loaded replica a prompt cached nowhere may go: home,
+        however far (``homes``); a prefix new to the homes, as far as a popular prefix's
+        copy would cost (it may be a group's first request, and where it lands, the
+        group lives), to the replica given the fewest homes."""
+        if not self._goes_home():
+            return self._load_slack()
+        assert self.cold_homes is not None and self._request is not None
+        if self.cold_homes.knows(self._request):
             return math.inf  # every replica is a candidate: the home decides
-        return self._load_slack()
+        new = self.config.cache_aware.recompute_weight * self._request.num_prompt_tokens
+        return self._load_slack() + new
+
+    def _goes_home(self) -> bool:
+        """Whether the request under way, cached nowhere, goes home (``homes``): if it
+        is a stride long or more."""
+        return self.cold_homes is not None and self._has_prefix()
+
+    def _pays_evictions(self) -> bool:
+        """Whether a copy pays for the hot prefixes it evicts (``eviction_weight``): while
+        shared prefixes crowd the caches and some replica has no queue."""
+        return self.hot_prefixes is not None and self.crowded and self._miss_factor == 1.0
 
     def _has_prefix(self) -> bool:
         """Whether the request under way is a stride long or more (has a home)."""
@@ -377,6 +419,8 @@ class CacheAware(IndexedPolicy):
         evicts of its hot prefixes, in prefill tokens (``eviction_weight``)."""
         hot = self.hot_prefixes
         if hot is None or uncached_tokens <= 0 or not self._has_prefix():
+            return 0.0
+        if not self._pays_evictions():  # shared prefixes do not crowd, or every replica queues
             return 0.0
         knobs, block = self.config.cache_aware, self.config.block_size
         room = replica.capacity_blocks * block * knobs.hot_fill
@@ -435,6 +479,23 @@ class CacheAware(IndexedPolicy):
         if self.hot_prefixes is not None:
             key, tokens = self._shared_prefix(request) if request.stride_hashes else (None, 0)
             self.hot_prefixes.routed(replica.replica_id, key, tokens)
+        if self.shared_prefixes is not None:
+            self._note_sharing(request)
+
+    def _note_sharing(self, request: RoutingRequest) -> None:
+        """Count the request's shared prefix; every ``CROWDING_EVERY`` requests, look
+        again at whether shared prefixes crowd the fleet's KV cache."""
+        shared = self.shared_prefixes
+        assert shared is not None
+        seen = shared.seen
+        shared.record(request.request_id, request.stride_hashes)
+        if shared.seen == seen or shared.seen % CROWDING_EVERY:
+            return
+        fleet_tokens = self.config.block_size * sum(
+            replica.capacity_blocks for replica in self.order.states.values()
+        )
+        share = self.config.cache_aware.crowded_share
+        self.crowded = bool(fleet_tokens) and shared.tokens >= share * fleet_tokens
 
     def cache_value(self, replica_id: str) -> float:
         """The recent requests through the prefixes it alone holds (each at least

@@ -164,6 +164,9 @@ class CacheAwareTTFT(CacheAware):
     def _adapter_cost(self, adapter: str, replica: ReplicaState) -> float:
         return super()._adapter_cost(adapter, replica) * self._token_s
 
+    def _eviction_cost(self, replica: ReplicaState, uncached_tokens: int) -> float:
+        return super()._eviction_cost(replica, uncached_tokens) * self._token_s
+
     # ------------------------------------------- what the load does not say
 
     def _unseen_by_load(self, replica: ReplicaState, uncached_tokens: int) -> float:

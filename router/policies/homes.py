@@ -1,20 +1,25 @@
-"""Homes for prefixes, and copies that pay for what they evict: ``cache_aware``'s two
-knobs for a fleet whose caches are short of its shared prefixes.
+"""Homes for prefixes, and copies that pay for what they evict: how ``cache_aware``
+keeps groups of requests still where their shared prompts crowd the fleet's caches.
 
 Many groups of requests sharing a long prompt, filling most of the fleet's KV cache
 (docs/results.md, "Routing at saturation"): there the hits come from stability. A
 group that moves computes its prompt again where it lands and evicts another group
 there, which moves in turn. SGLang's router keeps its groups still (its tree never
-forgets, so a group evicted everywhere goes back where it was) and keeps 0.8 points
+forgets, so a group evicted everywhere goes back where it was) and kept 0.8 points
 more hits than ``cache_aware`` at the fleet's capacity; a partition that never moves a
 group keeps as many. Two things keep ``cache_aware``'s groups still, each a knob of
-:class:`~router.policies.cache_aware.CacheAwareConfig`:
+:class:`~router.policies.cache_aware.CacheAwareConfig`, both on by default:
 
 - :class:`Homes` (``homes``): a prompt cached nowhere goes home, whatever the load:
   where the router placed its prefix before, when it was cached nowhere then too (a
-  tree of those placements alone, as SGLang's tree, with its size); a prefix new to the
-  tree goes to the replica given the fewest homes, in a snake over the replicas (the
-  popular prefixes, which come first, spread).
+  tree of those placements alone, as SGLang's tree, with its size). A prefix new to
+  the tree may be a group's first request, and where it lands its group will live: it
+  goes to the replica given the fewest homes, in a snake over the replicas (the popular
+  prefixes, which come first, spread), among those whose queue is within
+  ``recompute_weight`` times its prefill of the least loaded (what copying it later
+  would cost), so a stream of unrelated prompts still follows the load. A chat's
+  prompts are rarely cached nowhere (an application's system prompt is cached
+  somewhere), so there homes seldom act.
 - :class:`HotPrefixes` (``eviction_weight``): a copy made for load (a request sent
   where its prompt is not cached, while another replica holds some of it) onto a
   replica whose hot working set (the shared prefixes routed to it within the last
@@ -22,14 +27,23 @@ group keeps as many. Two things keep ``cache_aware``'s groups still, each a knob
   cache evicts hot prefixes, which will be computed again: each token beyond costs
   ``eviction_weight`` prefill tokens.
 
-Both are the router's own: with several gateways each has its homes and hot sets
-(in replay, two routers keep the hits: docs/results.md).
+The price trades balance for stability, which pays only where shared prefixes crowd
+the caches; where conversations' own histories do (a chat fleet short of KV), balance
+pays (there it cost 1.3 points of hits and a fourfold TTFT p99 always on). So copies
+pay only while :class:`SharedPrefixes` finds that the prefixes different requests
+share (a group's prompt, an application's system prompt; not the turns of one
+conversation) fill ``crowded_share`` of the fleet's KV cache or more, and while some
+replica has no queue (past capacity every recompute is dear already, and a copy
+drains a queue).
+
+All three are the router's own: with several gateways each has its homes, hot sets
+and shares (in replay, two routers keep the hits: docs/results.md).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from router.core import Clock, ReplicaState, RoutingRequest
@@ -60,13 +74,9 @@ class Homes:
     def home(self, request: RoutingRequest, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """``request``'s home among ``candidates`` (a new prefix is given one), recorded."""
         by_id = {replica.replica_id: replica for replica in candidates}
-        for replica_id in by_id:
-            if not self.placements.knows(replica_id):
-                self.placements.add_replica(replica_id, self._tree_blocks, approximate=True)
-        placed = self.placements.match(request.stride_hashes)
-        homes = {replica_id: t for replica_id, t in placed.items() if replica_id in by_id}
-        top = max(homes.values(), default=0)
-        if top and top >= HOME_SHARE * request.num_prompt_tokens:
+        homes = {r: t for r, t in self._homes(request, by_id).items() if r in by_id}
+        if homes:
+            top = max(homes.values())
             tied = (by_id[replica_id] for replica_id, t in homes.items() if t == top)
             chosen = min(tied, key=self._given)
         else:
@@ -74,6 +84,20 @@ class Homes:
             self.given[chosen.replica_id] += 1
         self.placements.record_routing(chosen.replica_id, request.stride_hashes)
         return chosen
+
+    def knows(self, request: RoutingRequest) -> bool:
+        """Whether ``request``'s prefix has a home."""
+        return bool(self._homes(request, ()))
+
+    def _homes(self, request: RoutingRequest, replica_ids: Iterable[str]) -> dict[str, int]:
+        """Where the tree placed ``HOME_SHARE`` of ``request``'s prompt or more before,
+        and how much (the replicas of ``replica_ids`` made known to it first)."""
+        for replica_id in replica_ids:
+            if not self.placements.knows(replica_id):
+                self.placements.add_replica(replica_id, self._tree_blocks, approximate=True)
+        least = max(1.0, HOME_SHARE * request.num_prompt_tokens)
+        placed = self.placements.match(request.stride_hashes)
+        return {replica_id: t for replica_id, t in placed.items() if t >= least}
 
     def remove(self, replica_id: str) -> None:
         """A replica gone: its prefixes are new again."""
@@ -97,6 +121,84 @@ def _identity(replica: ReplicaState) -> str:
     return replica.replica_id
 
 
+#: What followed a stride: nothing yet, one or two continuations (the next stride, or
+#: ``ENDED`` where a request ended there), or three and more.
+ENDED, BRANCHED = "ended", "branched"
+Followers = tuple[int | str, ...] | str
+
+
+def followed_by(followers: Followers | None, then: int | str) -> Followers:
+    """``followers`` of a stride once one more request went on with ``then``.
+
+    A conversation's next turn goes on where its last ended: that replaces the end, and
+    two requests that both ended there are two (a group's prompt and two questions
+    under a stride). Two turns may also part within the last turn's final stride (a
+    trace's last block partly filled, a template that rewrites the tail), so requests
+    that went on must go three ways before the prefix counts as shared.
+    """
+    if followers is None:
+        return (then,)
+    if followers == BRANCHED or (then in followers and then != ENDED):
+        return followers
+    if followers == (ENDED,):  # a next turn goes on; two requests ending alike share
+        return (then,) if then != ENDED else BRANCHED
+    return BRANCHED if len(followers) == 2 else (*followers, then)
+
+
+class SharedPrefixes:
+    """The prefixes that different requests share, and the tokens of those shared within
+    the last ``window`` requests, each counted once.
+
+    A prefix is shared where two requests ended there (a group's prompt and short
+    questions) or three went on differently after it (an application's system prompt
+    and its sessions' questions): a conversation's history is followed by one turn
+    only, the next, so it is not (:func:`followed_by`). What followed each stride is
+    remembered for the last one or two windows of requests (two generations of a
+    dict), so memory stays bounded.
+    """
+
+    def __init__(self, window: int, stride_tokens: int) -> None:
+        self.window = window
+        self.stride_tokens = stride_tokens
+        self.tokens = 0  # of the shared prefixes within the window, each once
+        self.seen = 0  # requests recorded
+        self._after: dict[int, Followers] = {}  # stride -> what followed it (this generation)
+        self._before: dict[int, Followers] = {}  # the generation before
+        self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (tokens, seq)
+        self._requests: OrderedDict[str, None] = OrderedDict()  # the window's, by identity
+
+    def record(self, request_id: str, strides: Sequence[int]) -> None:
+        """Request ``request_id`` through ``strides``: what follows each, and its deepest
+        shared prefix. A request sent twice (a prefill, then its decode leg) counts once."""
+        if request_id in self._requests:
+            return
+        self._requests[request_id] = None
+        if len(self._requests) > self.window:
+            self._requests.popitem(last=False)
+        self.seen += 1
+        if self.seen % self.window == 0:
+            self._before, self._after = self._after, {}
+        deepest = 0
+        for position, stride in enumerate(strides):
+            then = strides[position + 1] if position + 1 < len(strides) else ENDED
+            before = self._after.get(stride)
+            if before is None:
+                before = self._before.get(stride)
+            followers = self._after[stride] = followed_by(before, then)
+            if followers == BRANCHED:
+                deepest = position + 1
+        if deepest:
+            self._note(strides[deepest - 1], deepest * self.stride_tokens)
+        while self._recent and next(iter(self._recent.values()))[1] <= self.seen - self.window:
+            self.tokens -= self._recent.popitem(last=False)[1][0]
+
+    def _note(self, key: int, tokens: int) -> None:
+        if key in self._recent:
+            self.tokens -= self._recent.pop(key)[0]
+        self._recent[key] = (tokens, self.seen)
+        self.tokens += tokens
+
+
 class HotPrefixes:
     """Each replica's hot working set: the shared prefixes routed to it within the last
     ``window`` requests, each where it went last, in tokens."""
@@ -105,6 +207,7 @@ class HotPrefixes:
         self.window = window
         self.seq = 0
         self._held: dict[str, OrderedDict[int, tuple[int, int]]] = {}  # key -> (tokens, seq)
+        self._where: dict[int, str] = {}  # key -> the replica it went to last
         self._tokens: Counter[str] = Counter()
 
     def routed(self, replica_id: str, key: int | None, tokens: int) -> None:
@@ -114,25 +217,34 @@ class HotPrefixes:
         self.seq += 1
         if key is None:
             return
-        for other, held in self._held.items():
-            if other != replica_id and key in held:
-                self._tokens[other] -= held.pop(key)[0]
+        before = self._where.get(key)
+        if before is not None and key in self._held.get(before, {}):
+            self._tokens[before] -= self._held[before].pop(key)[0]
+        self._where[key] = replica_id
         held = self._held.setdefault(replica_id, OrderedDict())
-        if key in held:
-            self._tokens[replica_id] -= held.pop(key)[0]
         held[key] = (tokens, self.seq)
         self._tokens[replica_id] += tokens
+        self._expire(replica_id, held)
 
     def tokens(self, replica_id: str, but: int | None = None) -> int:
         """The hot tokens on ``replica_id``, but those of the prefix ``but``."""
         held = self._held.get(replica_id)
         if not held:
             return 0
-        while held and next(iter(held.values()))[1] < self.seq - self.window:
-            self._tokens[replica_id] -= held.popitem(last=False)[1][0]
+        self._expire(replica_id, held)
         own = held[but][0] if but is not None and but in held else 0
         return self._tokens[replica_id] - own
 
+    def _expire(self, replica_id: str, held: OrderedDict[int, tuple[int, int]]) -> None:
+        """Those routed to ``replica_id`` before the window are no longer hot."""
+        while held and next(iter(held.values()))[1] < self.seq - self.window:
+            key, (tokens, _) = held.popitem(last=False)
+            self._tokens[replica_id] -= tokens
+            if self._where.get(key) == replica_id:
+                del self._where[key]
+
     def remove(self, replica_id: str) -> None:
-        self._held.pop(replica_id, None)
+        for key in self._held.pop(replica_id, {}):
+            if self._where.get(key) == replica_id:
+                del self._where[key]
         self._tokens.pop(replica_id, None)

@@ -44,4 +44,6 @@ def test_placed_homes_are_cache_aware_with_its_homes_and_eviction_knobs(variants
     placed, priced = policy("placed_homes").config, policy("placed_homes_priced").config
     assert placed.cache_aware.homes and not placed.cache_aware.eviction_weight
     assert priced.cache_aware.homes and priced.cache_aware.eviction_weight == 16.0
-    assert not policy("cache_aware").config.cache_aware.homes  # off by default
+    assert priced.cache_aware.crowded_share == 0  # priced wherever
+    default = policy("cache_aware").config.cache_aware  # both on, copies priced where crowded
+    assert default.homes and default.eviction_weight == 16.0 and default.crowded_share == 0.3

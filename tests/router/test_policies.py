@@ -110,7 +110,7 @@ def test_a_cold_prefix_goes_where_it_evicts_least_and_routers_reading_the_events
     """A replica whose GPU is full evicts a prefix to compute a new one; one with room
     does not. Among those with room (or, all full, among all) the rendezvous choice."""
     replicas = fleet(3, capacity=160)  # 160 blocks: 2,560 tokens each
-    first, second = policy(name, 1), policy(name, 2)
+    first, second = policy(name, 1, homes=False), policy(name, 2, homes=False)  # no homes
     for pol in (first, second):
         for replica in replicas:
             pol.on_replica_added(replica)
