@@ -182,10 +182,12 @@ class CacheAware(IndexedPolicy):
         )
         self.shared_prefixes = (
             SharedPrefixes(knobs.hot_window_requests, config.stride_tokens)
-            if knobs.eviction_weight and knobs.crowded_share
+            if (knobs.homes or knobs.eviction_weight) and knobs.crowded_share
             else None
         )
-        self.crowded = not knobs.crowded_share
+        #: Whether the shared prefixes crowd the caches (copies pay for evictions), and
+        #: whether they and the prompts placed cold do (new prefixes placed as groups).
+        self.crowded = self.placing_groups = not knobs.crowded_share
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
@@ -364,11 +366,20 @@ class CacheAware(IndexedPolicy):
         fleet's groups better, but made a chat's new sessions follow the emptiest
         replica and load it: ``make demo``'s TTFT p99 63 to 87 ms in replay.)
         """
-        if self._goes_home():
-            assert self.cold_homes is not None
-            return self.cold_homes.home(request, near)
-        if len(near) == 1:
-            return near[0]
+        homes = self.cold_homes if self._goes_home() else None
+        if self.shared_prefixes is not None and self._has_prefix():
+            self.shared_prefixes.placed_cold(request.stride_hashes)
+        if homes is not None and (self.placing_groups or homes.knows(request)):
+            return homes.home(request, near)
+        chosen = near[0] if len(near) == 1 else self._least_evicting(request, near)
+        if homes is not None:
+            homes.placed(request, chosen)
+        return chosen
+
+    def _least_evicting(
+        self, request: RoutingRequest, near: Sequence[ReplicaState]
+    ) -> ReplicaState:
+        """Where ``request`` evicts the least among ``near``, by rendezvous among ties."""
         evicted = [self._evicted_blocks(r, request.num_prompt_tokens) for r in near]
         least = min(evicted)
         roomiest = [r for r, e in zip(near, evicted, strict=True) if e == least]
@@ -392,6 +403,8 @@ class CacheAware(IndexedPolicy):
         assert self.cold_homes is not None and self._request is not None
         if self.cold_homes.knows(self._request):
             return math.inf  # every replica is a candidate: the home decides
+        if not self.placing_groups:
+            return self._load_slack()
         new = self.config.cache_aware.recompute_weight * self._request.num_prompt_tokens
         return self._load_slack() + new
 
@@ -494,8 +507,10 @@ class CacheAware(IndexedPolicy):
         fleet_tokens = self.config.block_size * sum(
             replica.capacity_blocks for replica in self.order.states.values()
         )
-        share = self.config.cache_aware.crowded_share
-        self.crowded = bool(fleet_tokens) and shared.tokens >= share * fleet_tokens
+        if fleet_tokens:
+            share = self.config.cache_aware.crowded_share
+            shared_share, with_cold = shared.needs(fleet_tokens)
+            self.crowded, self.placing_groups = shared_share >= share, with_cold >= share
 
     def cache_value(self, replica_id: str) -> float:
         """The recent requests through the prefixes it alone holds (each at least

@@ -85,6 +85,12 @@ class Homes:
         self.placements.record_routing(chosen.replica_id, request.stride_hashes)
         return chosen
 
+    def placed(self, request: RoutingRequest, replica: ReplicaState) -> None:
+        """``request``, new to the homes, went to ``replica`` by another rule: its home
+        from now on (counted as given)."""
+        self.given[replica.replica_id] += 1
+        self.placements.record_routing(replica.replica_id, request.stride_hashes)
+
     def knows(self, request: RoutingRequest) -> bool:
         """Whether ``request``'s prefix has a home."""
         return bool(self._homes(request, ()))
@@ -160,12 +166,14 @@ class SharedPrefixes:
     def __init__(self, window: int, stride_tokens: int) -> None:
         self.window = window
         self.stride_tokens = stride_tokens
-        self.tokens = 0  # of the shared prefixes within the window, each once
+        self.strides = 0  # of the shared prefixes within the window, each once
         self.seen = 0  # requests recorded
         self._after: dict[int, Followers] = {}  # stride -> what followed it (this generation)
         self._before: dict[int, Followers] = {}  # the generation before
         self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (tokens, seq)
         self._requests: OrderedDict[str, None] = OrderedDict()  # the window's, by identity
+        self.cold_strides = 0  # of the prompts placed cold within the window, each once
+        self._cold: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (tokens, seq)
 
     def record(self, request_id: str, strides: Sequence[int]) -> None:
         """Request ``request_id`` through ``strides``: what follows each, and its deepest
@@ -188,15 +196,35 @@ class SharedPrefixes:
             if followers == BRANCHED:
                 deepest = position + 1
         if deepest:
-            self._note(strides[deepest - 1], deepest * self.stride_tokens)
-        while self._recent and next(iter(self._recent.values()))[1] <= self.seen - self.window:
-            self.tokens -= self._recent.popitem(last=False)[1][0]
+            self.strides += _note(self._recent, strides[deepest - 1], deepest, self.seen)
+        self.strides -= _expire(self._recent, self.seen - self.window)
+        self.cold_strides -= _expire(self._cold, self.seen - self.window)
 
-    def _note(self, key: int, tokens: int) -> None:
-        if key in self._recent:
-            self.tokens -= self._recent.pop(key)[0]
-        self._recent[key] = (tokens, self.seen)
-        self.tokens += tokens
+    def placed_cold(self, strides: Sequence[int]) -> None:
+        """A prompt cached nowhere was placed: it needs its tokens of KV (maybe a new
+        group's prompt, that requests will share)."""
+        self.cold_strides += _note(self._cold, strides[-1], len(strides), self.seen)
+
+    def needs(self, fleet_tokens: int) -> tuple[float, float]:
+        """The shares of ``fleet_tokens`` that the shared prefixes need, and that they
+        and the prompts placed cold need together."""
+        shared = self.strides * self.stride_tokens / fleet_tokens
+        return shared, shared + self.cold_strides * self.stride_tokens / fleet_tokens
+
+
+def _note(window: OrderedDict[int, tuple[int, int]], key: int, strides: int, seq: int) -> int:
+    """``key``, ``strides`` long, seen at ``seq``: the strides it adds to ``window``."""
+    before = window.pop(key)[0] if key in window else 0
+    window[key] = (strides, seq)
+    return strides - before
+
+
+def _expire(window: OrderedDict[int, tuple[int, int]], oldest: int) -> int:
+    """Drop the keys of ``window`` seen at ``oldest`` or before: the strides dropped."""
+    dropped = 0
+    while window and next(iter(window.values()))[1] <= oldest:
+        dropped += window.popitem(last=False)[1][0]
+    return dropped
 
 
 class HotPrefixes:

@@ -168,23 +168,23 @@ def test_a_groups_prompt_is_shared_and_a_conversations_history_is_not():
     shared = SharedPrefixes(window=100, stride_tokens=64)
     for question in range(3):  # one group's prompt, each request its own question
         shared.record(f"q{question}", strides(1, 100 + question))
-    assert shared.tokens == 4 * 64  # the prompt's 4 strides, once
+    assert shared.strides == 4  # the prompt's 4 strides, once
     conversation = SharedPrefixes(window=100, stride_tokens=64)
     history = [2]
     for turn in range(6):  # each turn the last one's prompt, and more
         history.append(200 + turn)
         conversation.record(f"t{turn}", strides(*history))
-    assert conversation.tokens == 0
+    assert conversation.strides == 0
     legs = SharedPrefixes(window=100, stride_tokens=64)
     for _ in range(2):  # one request sent twice, its prefill then its decode leg
         legs.record("one", strides(4))
-    assert legs.tokens == 0
+    assert legs.strides == 0
     legs.record("another", strides(4))  # another ends where it did: a shared prompt
-    assert legs.tokens == 4 * 64
+    assert legs.strides == 4
     parted = SharedPrefixes(window=100, stride_tokens=64)
     for turn in range(6):  # each turn parts from the last within its final part
         parted.record(f"t{turn}", strides(3, *range(300, 300 + turn), 400 + turn))
-    assert parted.tokens == 0
+    assert parted.strides == 0
 
 
 def test_a_shared_prefix_leaves_the_count_once_out_of_the_window():
@@ -193,7 +193,7 @@ def test_a_shared_prefix_leaves_the_count_once_out_of_the_window():
         shared.record(f"q{question}", strides(1, 100 + question))
     for other in range(10):
         shared.record(f"o{other}", strides(500 + other))
-    assert shared.tokens == 0
+    assert shared.strides == 0
 
 
 def chat_requests(count: int) -> list:
@@ -231,12 +231,23 @@ def test_copies_pay_where_group_prompts_crowd_the_caches_and_not_on_a_chat_fleet
 
 
 def test_a_new_prefix_goes_to_the_fewest_homes_within_its_recompute_of_the_least_loaded():
-    pol, replicas = policy("cache_aware"), fleet(3)
-    load.reported(replicas[0], LoadReport(running=1, waiting=0, prefill_tokens=2000))  # near
-    load.reported(replicas[1], LoadReport(running=64, waiting=0, prefill_tokens=40_000))
-    placed = []
-    for i, group in enumerate(prompts(4, 1024)):  # may wait behind 4 x 1,024 tokens
-        new = request(group, f"new-{i}")
-        placed.append(chosen := dispatch(pol, new, replicas).replica_id)
-        complete(pol, new, replicas[int(chosen[-1])])
-    assert placed == ["replica-0", "replica-2", "replica-2", "replica-0"]
+    def placed(pol) -> list[str]:
+        replicas = fleet(3)
+        load.reported(replicas[0], LoadReport(running=1, waiting=0, prefill_tokens=2000))
+        load.reported(replicas[1], LoadReport(running=64, waiting=0, prefill_tokens=40_000))
+        chosen = []
+        for i, group in enumerate(prompts(4, 1024)):  # may wait behind 4 x 1,024 tokens
+            new = request(group, f"new-{i}")
+            chosen.append(replica := dispatch(pol, new, replicas).replica_id)
+            complete(pol, new, replicas[int(replica[-1])])
+        return chosen
+
+    # where new prompts crowd the caches (always, here), each is placed for its group
+    assert placed(policy("cache_aware", **ALWAYS)) == [
+        "replica-0",
+        "replica-2",
+        "replica-2",
+        "replica-0",
+    ]
+    # where they do not (4 prompts in 196k tokens), near the least loaded, as without homes
+    assert placed(policy("cache_aware")) == ["replica-2"] * 4
