@@ -72,9 +72,10 @@ class CacheAwareConfig:
     saturation_weight: float = 1.0
     #: A prompt cached nowhere goes home, whatever the load (router/policies/homes.py):
     #: where the router placed its prefix before, when it was cached nowhere then too,
-    #: so groups do not move; a prefix new to it to the replica given the fewest homes
-    #: among those within ``recompute_weight`` times its prefill of the least loaded.
-    #: Off: among the near-least-loaded replicas (``cold_slack_tokens``), where it
+    #: so groups do not move. A prefix new to it goes, where new and shared prefixes
+    #: crowd the caches (``crowded_share``), to the replica given the fewest homes among
+    #: those within ``recompute_weight`` times its prefill of the least loaded; else,
+    #: and off, among the near-least-loaded replicas (``cold_slack_tokens``), where it
     #: evicts the least.
     homes: bool = True
     #: What a copy made for load pays for each hot token it would evict: on a replica
@@ -88,7 +89,8 @@ class CacheAwareConfig:
     #: Copies pay for their evictions only where shared prefixes crowd the caches: while
     #: the prefixes that different requests shared within the last
     #: ``hot_window_requests`` requests need this share of the fleet's KV cache or more
-    #: (0: always), and some replica has no queue. There a group that
+    #: (0: always), and some replica has no queue. New prefixes go to the fewest homes
+    #: while those and the prompts placed cold need this share together. There a group that
     #: moves evicts another group, which moves in turn; on a chat fleet, whose caches
     #: hold conversations' histories, balance pays instead, and past capacity every
     #: recompute is dear already (``saturation_weight``) and a copy drains a queue.

@@ -13,13 +13,13 @@ group keeps as many. Two things keep ``cache_aware``'s groups still, each a knob
 - :class:`Homes` (``homes``): a prompt cached nowhere goes home, whatever the load:
   where the router placed its prefix before, when it was cached nowhere then too (a
   tree of those placements alone, as SGLang's tree, with its size). A prefix new to
-  the tree may be a group's first request, and where it lands its group will live: it
-  goes to the replica given the fewest homes, in a snake over the replicas (the popular
-  prefixes, which come first, spread), among those whose queue is within
-  ``recompute_weight`` times its prefill of the least loaded (what copying it later
-  would cost), so a stream of unrelated prompts still follows the load. A chat's
-  prompts are rarely cached nowhere (an application's system prompt is cached
-  somewhere), so there homes seldom act.
+  the tree may be a group's first request, and where it lands its group will live:
+  where new and shared prefixes crowd the caches, it goes to the replica given the
+  fewest homes, in a snake over the replicas (the popular prefixes, which come first,
+  spread), among those whose queue is within ``recompute_weight`` times its prefill
+  of the least loaded (what copying it later would cost), so a stream of unrelated
+  prompts still follows the load; elsewhere (a chat, whose new sessions find their
+  system prompt cached) where it evicts the least, as without homes.
 - :class:`HotPrefixes` (``eviction_weight``): a copy made for load (a request sent
   where its prompt is not cached, while another replica holds some of it) onto a
   replica whose hot working set (the shared prefixes routed to it within the last
@@ -34,7 +34,9 @@ pay only while :class:`SharedPrefixes` finds that the prefixes different request
 share (a group's prompt, an application's system prompt; not the turns of one
 conversation) fill ``crowded_share`` of the fleet's KV cache or more, and while some
 replica has no queue (past capacity every recompute is dear already, and a copy
-drains a queue).
+drains a queue); new prefixes are placed for their groups while those and the prompts
+placed cold fill it together (a crowded fleet's first placements decide where its
+groups live, before they are shared).
 
 All three are the router's own: with several gateways each has its homes, hot sets
 and shares (in replay, two routers keep the hits: docs/results.md).
