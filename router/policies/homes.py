@@ -154,7 +154,7 @@ def followed_by(followers: Followers | None, then: int | str) -> Followers:
 
 
 class SharedPrefixes:
-    """The prefixes that different requests share, and the tokens of those shared within
+    """The prefixes that different requests share, and the strides of those shared within
     the last ``window`` requests, each counted once.
 
     A prefix is shared where two requests ended there (a group's prompt and short
@@ -172,10 +172,10 @@ class SharedPrefixes:
         self.seen = 0  # requests recorded
         self._after: dict[int, Followers] = {}  # stride -> what followed it (this generation)
         self._before: dict[int, Followers] = {}  # the generation before
-        self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (tokens, seq)
+        self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (strides, seq)
         self._requests: OrderedDict[str, None] = OrderedDict()  # the window's, by identity
         self.cold_strides = 0  # of the prompts placed cold within the window, each once
-        self._cold: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (tokens, seq)
+        self._cold: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (strides, seq)
 
     def record(self, request_id: str, strides: Sequence[int]) -> None:
         """Request ``request_id`` through ``strides``: what follows each, and its deepest
