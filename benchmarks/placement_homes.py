@@ -90,7 +90,8 @@ class StaticPartition(HomesInTurn):
 class PlacedHomes(CacheAware):
     """``cache_aware`` with its ``homes`` knob on (router/policies/homes.py): a prompt
     cached nowhere goes where a tree of the cold placements sent 30% of it or more; a
-    prompt new to it to the replica given the fewest homes, in a snake among ties."""
+    prompt new to it to the replica given the fewest homes, the least loaded of those,
+    in a snake among ties."""
 
     name = "placed_homes"
     knobs: ClassVar[dict[str, Any]] = {"homes": True, "eviction_weight": 0.0}

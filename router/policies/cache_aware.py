@@ -90,7 +90,8 @@ class CacheAwareConfig:
     #: the prefixes that different requests shared within the last
     #: ``hot_window_requests`` requests need this share of the fleet's KV cache or more
     #: (0: always), and some replica has no queue. New prefixes go to the fewest homes
-    #: while those and the prompts placed cold need this share together. There a group that
+    #: while those and the prompts placed cold need this share together, and before the
+    #: policy first looks (``CROWDING_EVERY`` requests). There a group that
     #: moves evicts another group, which moves in turn; on a chat fleet, whose caches
     #: hold conversations' histories, balance pays instead, and past capacity every
     #: recompute is dear already (``saturation_weight``) and a copy drains a queue.
@@ -189,7 +190,12 @@ class CacheAware(IndexedPolicy):
         )
         #: Whether the shared prefixes crowd the caches (copies pay for evictions), and
         #: whether they and the prompts placed cold do (new prefixes placed as groups).
-        self.crowded = self.placing_groups = not knobs.crowded_share
+        #: Until the first look nothing says how crowded the caches will be, and a
+        #: fleet's first new prefixes decide where its groups live: they spread as groups
+        #: (rendezvous put a 2-replica demo's popular applications together, its busy
+        #: replica evicting the histories its sessions came back for).
+        self.crowded = not knobs.crowded_share
+        self.placing_groups = True
         super().__init__(config, clock, rng)
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
@@ -372,11 +378,16 @@ class CacheAware(IndexedPolicy):
         if self.shared_prefixes is not None and self._has_prefix():
             self.shared_prefixes.placed_cold(request.stride_hashes)
         if homes is not None and (self.placing_groups or homes.knows(request)):
-            return homes.home(request, near)
+            return homes.home(request, near, self._outstanding)
         chosen = near[0] if len(near) == 1 else self._least_evicting(request, near)
         if homes is not None:
             homes.placed(request, chosen)
         return chosen
+
+    def _outstanding(self, replica: ReplicaState) -> float:
+        """``replica``'s queued prefill and running requests, in prefill tokens."""
+        per_request = self.config.cache_aware.running_request_tokens
+        return replica.load_prefill_tokens + per_request * replica.load_requests
 
     def _least_evicting(
         self, request: RoutingRequest, near: Sequence[ReplicaState]

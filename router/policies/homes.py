@@ -15,11 +15,12 @@ group keeps as many. Two things keep ``cache_aware``'s groups still, each a knob
   tree of those placements alone, as SGLang's tree, with its size). A prefix new to
   the tree may be a group's first request, and where it lands its group will live:
   where new and shared prefixes crowd the caches, it goes to the replica given the
-  fewest homes, in a snake over the replicas (the popular prefixes, which come first,
-  spread), among those whose queue is within ``recompute_weight`` times its prefill
-  of the least loaded (what copying it later would cost), so a stream of unrelated
-  prompts still follows the load; elsewhere (a chat, whose new sessions find their
-  system prompt cached) where it evicts the least, as without homes.
+  fewest homes (the least loaded of those, then in a snake over the replicas: the
+  popular prefixes, which come first, spread), among those whose queue is within
+  ``recompute_weight`` times its prefill of the least loaded (what copying it later
+  would cost), so a stream of unrelated prompts still follows the load; elsewhere (a
+  chat, whose new sessions find their system prompt cached) where it evicts the
+  least, as without homes.
 - :class:`HotPrefixes` (``eviction_weight``): a copy made for load (a request sent
   where its prompt is not cached, while another replica holds some of it) onto a
   replica whose hot working set (the shared prefixes routed to it within the last
@@ -35,8 +36,8 @@ share (a group's prompt, an application's system prompt; not the turns of one
 conversation) fill ``crowded_share`` of the fleet's KV cache or more, and while some
 replica has no queue (past capacity every recompute is dear already, and a copy
 drains a queue); new prefixes are placed for their groups while those and the prompts
-placed cold fill it together (a crowded fleet's first placements decide where its
-groups live, before they are shared).
+placed cold fill it together, and before the first look (a fleet's first placements
+decide where its groups live, before they are shared).
 
 All three are the router's own: with several gateways each has its homes, hot sets
 and shares (in replay, two routers keep the hits: docs/results.md).
@@ -45,7 +46,7 @@ and shares (in replay, two routers keep the hits: docs/results.md).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from router.core import Clock, ReplicaState, RoutingRequest
@@ -56,6 +57,9 @@ TREE_TOKENS = 2**24
 #: A prompt is at home where the tree sent this share of it or more (SGLang's
 #: ``cache_threshold``).
 HOME_SHARE = 0.3
+
+#: A replica's outstanding work, in prefill tokens.
+ReplicaLoad = Callable[[ReplicaState], float]
 
 
 def snake(given: int, replicas: int) -> int:
@@ -73,8 +77,11 @@ class Homes:
         self.given: Counter[str] = Counter()
         self._tree_blocks = TREE_TOKENS // block_size
 
-    def home(self, request: RoutingRequest, candidates: Sequence[ReplicaState]) -> ReplicaState:
-        """``request``'s home among ``candidates`` (a new prefix is given one), recorded."""
+    def home(
+        self, request: RoutingRequest, candidates: Sequence[ReplicaState], load: ReplicaLoad
+    ) -> ReplicaState:
+        """``request``'s home among ``candidates`` (a new prefix is given one, ``load``
+        breaking ties among the fewest homes), recorded."""
         by_id = {replica.replica_id: replica for replica in candidates}
         homes = {r: t for r, t in self._homes(request, by_id).items() if r in by_id}
         if homes:
@@ -82,7 +89,7 @@ class Homes:
             tied = (by_id[replica_id] for replica_id, t in homes.items() if t == top)
             chosen = min(tied, key=self._given)
         else:
-            chosen = self._next_home(candidates)
+            chosen = self._next_home(candidates, load)
             self.given[chosen.replica_id] += 1
         self.placements.record_routing(chosen.replica_id, request.stride_hashes)
         return chosen
@@ -116,11 +123,14 @@ class Homes:
     def _given(self, replica: ReplicaState) -> int:
         return self.given[replica.replica_id]
 
-    def _next_home(self, candidates: Sequence[ReplicaState]) -> ReplicaState:
-        """The replica given the fewest homes; among ties, the next in a snake over
-        them in the order of their identities."""
+    def _next_home(self, candidates: Sequence[ReplicaState], load: ReplicaLoad) -> ReplicaState:
+        """The replica given the fewest homes; among ties, the least loaded (a server
+        busy with other work does not take a new group for the snake's sake), then the
+        next in a snake over them in the order of their identities."""
         fewest = min(map(self._given, candidates))
-        tied = sorted((r for r in candidates if self._given(r) == fewest), key=_identity)
+        tied = [r for r in candidates if self._given(r) == fewest]
+        least = min(map(load, tied))
+        tied = sorted((r for r in tied if load(r) == least), key=_identity)
         lap = sum(self.given[r.replica_id] for r in candidates) // len(candidates)
         return tied[0] if lap % 2 == 0 else tied[-1]
 

@@ -11,6 +11,7 @@ import pytest
 from replica.api.stats import LoadReport
 from router.fleet import load
 from router.policies import PolicyConfig
+from router.policies.cache_aware import CROWDING_EVERY
 from router.policies.homes import BRANCHED, ENDED, HotPrefixes, SharedPrefixes, followed_by, snake
 from tests.router.test_policies import complete, dispatch, fleet, policy, request
 from tests.router.test_saturation import hit_rate
@@ -233,6 +234,9 @@ def test_copies_pay_where_group_prompts_crowd_the_caches_and_not_on_a_chat_fleet
 def test_a_new_prefix_goes_to_the_fewest_homes_within_its_recompute_of_the_least_loaded():
     def placed(pol) -> list[str]:
         replicas = fleet(3)
+        for i in range(CROWDING_EVERY):  # prompts shorter than a stride: the router looks once
+            short = request(prompt(16, start=10**9 + i * 100), f"short-{i}")
+            complete(pol, short, dispatch(pol, short, replicas))
         load.reported(replicas[0], LoadReport(running=1, waiting=0, prefill_tokens=2000))
         load.reported(replicas[1], LoadReport(running=64, waiting=0, prefill_tokens=40_000))
         chosen = []
@@ -242,12 +246,27 @@ def test_a_new_prefix_goes_to_the_fewest_homes_within_its_recompute_of_the_least
             complete(pol, new, replicas[int(replica[-1])])
         return chosen
 
-    # where new prompts crowd the caches (always, here), each is placed for its group
+    # where new prompts crowd the caches (always, here), each is placed for its group:
+    # the fewest homes, the less loaded among those tied (replica-1 is out of reach)
     assert placed(policy("cache_aware", **ALWAYS)) == [
-        "replica-0",
         "replica-2",
+        "replica-0",
         "replica-2",
         "replica-0",
     ]
     # where they do not (4 prompts in 196k tokens), near the least loaded, as without homes
     assert placed(policy("cache_aware")) == ["replica-2"] * 4
+
+
+def test_before_its_first_look_a_router_spreads_new_prefixes_as_groups():
+    """Nothing says yet how crowded the caches will be, and a fleet's first new prefixes
+    decide where its groups live: they go to the fewest homes (rendezvous among idle
+    replicas put both together here, as it did a 2-replica demo's popular applications)."""
+    pol, replicas = policy("cache_aware"), fleet(2)
+    chosen = []
+    for i, group in enumerate(prompts(2, 1024)):
+        new = request(group, f"new-{i}")
+        chosen.append(replica := dispatch(pol, new, replicas))
+        complete(pol, new, replica)
+    assert {r.replica_id for r in chosen} == {"replica-0", "replica-1"}
+    assert pol.placing_groups and not pol.crowded
